@@ -1,0 +1,136 @@
+//! What one batch of commands writes (committed in one transaction) and what it announces
+//! once that transaction is durable.
+
+use crate::state::{ConversationState, MemberState};
+use pigeon_proto::views::Fanout;
+use pigeon_proto::{ConversationId, DeviceId, Message, MessageStatus, MsgId, UserId};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// An entry of a user's inbox chain.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InboxRow {
+    pub user: UserId,
+    pub user_seq: u64,
+    pub msg_id: MsgId,
+    pub conversation: ConversationId,
+    pub seq: u64,
+}
+
+/// A conversation's own row: its state without the member list.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConversationRow {
+    pub id: ConversationId,
+    pub is_group: bool,
+    pub seq: u64,
+    pub member_count: u64,
+    pub fanout: Fanout,
+    pub name: Option<String>,
+    pub notice: Option<String>,
+    pub avatar: Option<String>,
+    pub owner: Option<UserId>,
+    pub dismissed: bool,
+    pub last_msg_id: Option<MsgId>,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+impl ConversationRow {
+    pub fn of(s: &ConversationState, write_max_members: u64) -> Self {
+        ConversationRow {
+            id: s.id.clone(),
+            is_group: s.is_group,
+            seq: s.seq,
+            member_count: s.member_count(),
+            fanout: s.fanout(write_max_members),
+            name: s.name.clone(),
+            notice: s.notice.clone(),
+            avatar: s.avatar.clone(),
+            owner: s.owner,
+            dismissed: s.dismissed,
+            last_msg_id: s.last_msg_id,
+            created_at: s.created_at,
+            updated_at: s.updated_at,
+        }
+    }
+}
+
+/// A membership as written: current (`left_seq` none) or ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemberRow {
+    pub conversation: ConversationId,
+    pub user: UserId,
+    pub state: MemberState,
+    pub left_seq: Option<u64>,
+}
+
+/// A change to a stored message (recall, edit, delete for everyone).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MessageUpdate {
+    pub msg_id: MsgId,
+    pub status: MessageStatus,
+    pub version: u32,
+    /// The current content; for a recall the stored original is kept (audit) and only the
+    /// status changes, so this is `None`.
+    pub content: Option<String>,
+    pub edited_at: Option<i64>,
+    pub recalled: Option<(i64, UserId)>,
+}
+
+/// Everything one batch writes. Committed in one transaction or not at all.
+#[derive(Debug, Default)]
+pub struct Changes {
+    pub users: Vec<(UserId, String, String, i64)>,
+    pub logouts: Vec<UserId>,
+    /// Final state of every conversation the batch touched (the row is upserted).
+    pub conversations: Vec<ConversationRow>,
+    pub messages: Vec<Message>,
+    pub inbox: Vec<InboxRow>,
+    /// Keyed so that several changes to one membership in a batch write one row.
+    pub members: HashMap<(ConversationId, UserId), MemberRow>,
+    pub message_updates: Vec<MessageUpdate>,
+    pub versions: Vec<(MsgId, u32, String, i64)>,
+    pub hidden_messages: Vec<(UserId, MsgId)>,
+    pub cursors: Vec<(UserId, DeviceId, String, u64)>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.users.is_empty()
+            && self.logouts.is_empty()
+            && self.conversations.is_empty()
+            && self.messages.is_empty()
+            && self.inbox.is_empty()
+            && self.members.is_empty()
+            && self.message_updates.is_empty()
+            && self.versions.is_empty()
+            && self.hidden_messages.is_empty()
+            && self.cursors.is_empty()
+    }
+}
+
+/// A recipient of a pushed message: who, and the message's place in their inbox (absent for
+/// read fan-out).
+pub type Recipient = (UserId, Option<u64>);
+
+/// What is announced after commit.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Push `message` to every connected device of each recipient.
+    Message { message: Arc<Message>, recipients: Vec<Recipient> },
+    /// `user` has read `conversation` up to `last_read_seq`; tell `to` (other members and the
+    /// reader's own devices, except `except_device`).
+    Receipt {
+        conversation: ConversationId,
+        user: UserId,
+        last_read_seq: u64,
+        to: Vec<UserId>,
+        except_device: Option<DeviceId>,
+    },
+    /// A user's settings of a conversation changed: tell their devices.
+    SettingsChanged { user: UserId, conversation: ConversationId, pinned: bool, muted: bool, hidden: bool },
+    /// The user's tokens were revoked: close their connections.
+    LoggedOut { user: UserId },
+    /// A user's inbox grew (wakes long polls); carries the new head.
+    InboxAdvanced { user: UserId, user_seq: u64 },
+}

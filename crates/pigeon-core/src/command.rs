@@ -1,0 +1,92 @@
+//! Commands: every change to the store is one of these, applied in order by the engine.
+
+use pigeon_proto::views::SendAck;
+use pigeon_proto::{ClientMsgId, ConversationId, DeviceId, Message, MessageKind, MsgId, UserId};
+
+/// Where a send goes: the single chat with a user, or an existing conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendTo {
+    User(UserId),
+    Conversation(ConversationId),
+}
+
+/// A validated send (the edge has checked sizes, kinds and ids).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SendCommand {
+    pub sender: UserId,
+    pub to: SendTo,
+    pub client_msg_id: ClientMsgId,
+    pub kind: MessageKind,
+    pub content: String,
+    pub extra: serde_json::Value,
+    pub reply_to: Option<MsgId>,
+    pub mentions: Vec<u64>,
+}
+
+/// Which chain a device cursor follows.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum CursorChain {
+    Inbox,
+    Conversation(ConversationId),
+}
+
+impl CursorChain {
+    /// The key stored for this chain: `"user"` or the conversation id.
+    pub fn key(&self) -> &str {
+        match self {
+            CursorChain::Inbox => "user",
+            CursorChain::Conversation(c) => c.as_str(),
+        }
+    }
+}
+
+/// The group fields `PATCH /v1/groups/{id}` may change.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GroupPatch {
+    pub name: Option<String>,
+    pub notice: Option<String>,
+    pub avatar: Option<String>,
+}
+
+/// Per-user conversation settings; `None` leaves a setting as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SettingsPatch {
+    pub pinned: Option<bool>,
+    pub muted: Option<bool>,
+    pub hidden: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    UpsertUser { user: UserId, name: String, avatar: String },
+    Logout { user: UserId },
+    Send(SendCommand),
+    CreateGroup { owner: UserId, name: String, members: Vec<UserId> },
+    Invite { actor: UserId, conversation: ConversationId, users: Vec<UserId> },
+    /// Kick when `actor != user`, quit when they are the same.
+    RemoveMember { actor: UserId, conversation: ConversationId, user: UserId },
+    SetAdmin { actor: UserId, conversation: ConversationId, user: UserId, admin: bool },
+    Mute { actor: UserId, conversation: ConversationId, user: UserId, duration_secs: u64 },
+    Unmute { actor: UserId, conversation: ConversationId, user: UserId },
+    UpdateGroup { actor: UserId, conversation: ConversationId, patch: GroupPatch },
+    Dismiss { actor: UserId, conversation: ConversationId },
+    Recall { actor: UserId, msg_id: MsgId },
+    Edit { actor: UserId, msg_id: MsgId, content: String },
+    /// Admin API: delete for everyone.
+    AdminDelete { msg_id: MsgId },
+    /// Delete for me.
+    HideMessage { user: UserId, msg_id: MsgId },
+    Read { user: UserId, conversation: ConversationId, seq: u64, from_device: Option<DeviceId> },
+    Settings { user: UserId, conversation: ConversationId, patch: SettingsPatch },
+    AdvanceCursor { user: UserId, device: DeviceId, chain: CursorChain, seq: u64 },
+}
+
+/// What a command answers once its changes are durable.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    Done,
+    SendAck(SendAck),
+    Conversation(ConversationId),
+    Message(Box<Message>),
+    LastRead(u64),
+}

@@ -1,0 +1,782 @@
+//! The engine: applies commands in order to the cached state and records the rows to commit
+//! and the events to publish. It owns `seq` and `user_seq` assignment, so exactly one engine
+//! may run per partition. It never does I/O: the pipeline asks it what it [`Engine::needs`],
+//! loads that from the store, and [`Engine::absorb`]s it before applying a batch.
+
+use crate::changes::{Changes, ConversationRow, Event, InboxRow, MemberRow, MessageUpdate, Recipient};
+use crate::command::{Command, Reply, SendCommand, SendTo};
+use crate::error::DomainError;
+use crate::rules::{self, outranks};
+use crate::snowflake::Snowflake;
+use crate::state::{ConversationState, MemberState};
+use crate::store::{Loaded, Needs};
+use pigeon_proto::views::{Fanout, Role, SendAck};
+use pigeon_proto::{ClientMsgId, ConversationId, Message, MessageKind, MessageStatus, MsgId, UserId};
+use serde_json::json;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub fanout_write_max_members: u64,
+    pub recall_window_ms: i64,
+    pub edit_window_ms: i64,
+    pub node_id: u16,
+    /// Above this many cached conversations the cache is dropped between batches.
+    pub max_cached_conversations: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            fanout_write_max_members: 500,
+            recall_window_ms: 120_000,
+            edit_window_ms: 86_400_000,
+            node_id: 0,
+            max_cached_conversations: 200_000,
+        }
+    }
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    ids: Snowflake,
+    conversations: HashMap<ConversationId, ConversationState>,
+    /// Conversations known not to exist (until created).
+    absent: HashSet<ConversationId>,
+    inbox_heads: HashMap<UserId, u64>,
+    known_users: HashSet<UserId>,
+    // Per batch: loaded on demand, dropped after the batch.
+    messages: HashMap<MsgId, Message>,
+    dedupe: HashMap<(UserId, ClientMsgId), SendAck>,
+    dedupe_checked: HashSet<(UserId, ClientMsgId)>,
+    touched: HashSet<ConversationId>,
+}
+
+type Outcome = Result<Reply, DomainError>;
+
+impl Engine {
+    pub fn new(cfg: EngineConfig, max_msg_id: u64) -> Self {
+        Engine {
+            ids: Snowflake::new(cfg.node_id, max_msg_id),
+            cfg,
+            conversations: HashMap::new(),
+            absent: HashSet::new(),
+            inbox_heads: HashMap::new(),
+            known_users: HashSet::new(),
+            messages: HashMap::new(),
+            dedupe: HashMap::new(),
+            dedupe_checked: HashSet::new(),
+            touched: HashSet::new(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// What must be loaded before `batch` can be applied. Call again after each
+    /// [`Engine::absorb`] until it is empty (a recall needs its message before its conversation).
+    pub fn needs(&self, batch: &[Command]) -> Needs {
+        let mut n = Needs::default();
+        let want_conv = |n: &mut Needs, c: &ConversationId| {
+            if !self.conversations.contains_key(c) && !self.absent.contains(c) {
+                n.conversations.insert(c.clone());
+            }
+        };
+        let want_user = |n: &mut Needs, u: UserId| {
+            if !self.known_users.contains(&u) || !self.inbox_heads.contains_key(&u) {
+                n.users.insert(u);
+            }
+        };
+        for cmd in batch {
+            match cmd {
+                Command::Send(s) => {
+                    let key = (s.sender, s.client_msg_id.clone());
+                    if !self.dedupe_checked.contains(&key) {
+                        n.dedupe.insert(key);
+                    }
+                    match &s.to {
+                        SendTo::User(peer) => {
+                            if let Ok(c) = ConversationId::single(s.sender, *peer) {
+                                want_conv(&mut n, &c);
+                                if !self.conversations.contains_key(&c) {
+                                    want_user(&mut n, s.sender);
+                                    want_user(&mut n, *peer);
+                                }
+                            }
+                        }
+                        SendTo::Conversation(c) => want_conv(&mut n, c),
+                    }
+                }
+                Command::CreateGroup { owner, members, .. } => {
+                    want_user(&mut n, *owner);
+                    members.iter().for_each(|u| want_user(&mut n, *u));
+                }
+                Command::Invite { conversation, users, .. } => {
+                    want_conv(&mut n, conversation);
+                    users.iter().for_each(|u| want_user(&mut n, *u));
+                }
+                Command::RemoveMember { conversation, .. }
+                | Command::SetAdmin { conversation, .. }
+                | Command::Mute { conversation, .. }
+                | Command::Unmute { conversation, .. }
+                | Command::UpdateGroup { conversation, .. }
+                | Command::Dismiss { conversation, .. }
+                | Command::Read { conversation, .. }
+                | Command::Settings { conversation, .. } => want_conv(&mut n, conversation),
+                Command::Recall { msg_id, .. }
+                | Command::Edit { msg_id, .. }
+                | Command::AdminDelete { msg_id }
+                | Command::HideMessage { msg_id, .. } => match self.messages.get(msg_id) {
+                    Some(m) => {
+                        if let Ok(c) = ConversationId::parse(&m.conversation_id) {
+                            want_conv(&mut n, &c);
+                        }
+                    }
+                    None => {
+                        n.messages.insert(*msg_id);
+                    }
+                },
+                Command::UpsertUser { .. } | Command::Logout { .. } | Command::AdvanceCursor { .. } => {}
+            }
+        }
+        n
+    }
+
+    /// Takes in what the store loaded for [`Engine::needs`].
+    pub fn absorb(&mut self, loaded: Loaded, asked: &Needs) {
+        for (id, state) in loaded.conversations {
+            match state {
+                Some(s) => {
+                    self.absent.remove(&id);
+                    self.conversations.insert(id, s);
+                }
+                None => {
+                    self.absent.insert(id);
+                }
+            }
+        }
+        self.known_users.extend(loaded.users);
+        for (u, head) in loaded.inbox_heads {
+            self.inbox_heads.entry(u).or_insert(head);
+        }
+        for u in &asked.users {
+            self.inbox_heads.entry(*u).or_insert(0);
+        }
+        for m in asked.messages.iter() {
+            if let Some(msg) = loaded.messages.get(m) {
+                self.messages.insert(*m, msg.clone());
+            }
+        }
+        // Messages that do not exist are remembered as absent by not being in the map; a
+        // second `needs` would ask again, so mark them checked with a tombstone conversation.
+        for m in &asked.messages {
+            self.messages.entry(*m).or_insert_with(|| tombstone(*m));
+        }
+        self.dedupe_checked.extend(asked.dedupe.iter().cloned());
+        self.dedupe.extend(loaded.dedupe);
+    }
+
+    /// Ends a batch whose changes were committed: returns nothing, drops per-batch state.
+    pub fn finish_batch(&mut self) {
+        self.messages.clear();
+        self.dedupe.clear();
+        self.dedupe_checked.clear();
+        self.touched.clear();
+        if self.conversations.len() > self.cfg.max_cached_conversations {
+            self.conversations.clear();
+            self.inbox_heads.clear();
+        }
+        if self.absent.len() > self.cfg.max_cached_conversations {
+            self.absent.clear();
+        }
+    }
+
+    /// Forgets every cached state after a failed commit: the store is the truth again.
+    pub fn reset(&mut self) {
+        self.conversations.clear();
+        self.absent.clear();
+        self.inbox_heads.clear();
+        self.known_users.clear();
+        self.finish_batch();
+    }
+
+    /// Moves the final state of every touched conversation into `changes`.
+    pub fn seal(&mut self, changes: &mut Changes) {
+        let write_max = self.cfg.fanout_write_max_members;
+        for id in self.touched.drain() {
+            if let Some(c) = self.conversations.get(&id) {
+                changes.conversations.push(ConversationRow::of(c, write_max));
+            }
+        }
+    }
+
+    /// Applies one command. A refused command changes nothing.
+    pub fn apply(&mut self, cmd: Command, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+        match cmd {
+            Command::UpsertUser { user, name, avatar } => {
+                self.known_users.insert(user);
+                ch.users.push((user, name, avatar, now));
+                Ok(Reply::Done)
+            }
+            Command::Logout { user } => {
+                ch.logouts.push(user);
+                ev.push(Event::LoggedOut { user });
+                Ok(Reply::Done)
+            }
+            Command::Send(s) => self.send(s, now, ch, ev),
+            Command::CreateGroup { owner, name, members } => self.create_group(owner, name, members, now, ch, ev),
+            Command::Invite { actor, conversation, users } => self.invite(actor, &conversation, users, now, ch, ev),
+            Command::RemoveMember { actor, conversation, user } => self.remove(actor, &conversation, user, now, ch, ev),
+            Command::SetAdmin { actor, conversation, user, admin } => {
+                let conv = self.group_mut(&conversation)?;
+                let actor_role = role_of(conv, actor)?;
+                if actor_role != Role::Owner {
+                    return Err(DomainError::Forbidden("only the owner appoints admins".into()));
+                }
+                let target = conv.members.get_mut(&user).ok_or(DomainError::NotFound("member"))?;
+                if target.role == Role::Owner {
+                    return Err(DomainError::Conflict("the owner's role cannot change".into()));
+                }
+                target.role = if admin { Role::Admin } else { Role::Member };
+                self.write_member(&conversation, user, None, ch);
+                self.touched.insert(conversation);
+                Ok(Reply::Done)
+            }
+            Command::Mute { actor, conversation, user, duration_secs } => {
+                if duration_secs == 0 || duration_secs > rules::MAX_MUTE_SECS {
+                    return Err(DomainError::invalid(format!("duration_secs must be 1..={}", rules::MAX_MUTE_SECS)));
+                }
+                let until = now + (duration_secs as i64) * 1000;
+                self.check_manage_member(actor, &conversation, user)?;
+                self.conv_mut(&conversation).members.get_mut(&user).expect("checked").mute_until = Some(until);
+                self.write_member(&conversation, user, None, ch);
+                let extra = json!({"from_user": actor, "to_user": user, "until": until});
+                self.append(&conversation, actor, MessageKind::MemberMuted, extra, &[], now, ch, ev);
+                Ok(Reply::Done)
+            }
+            Command::Unmute { actor, conversation, user } => {
+                self.check_manage_member(actor, &conversation, user)?;
+                self.conv_mut(&conversation).members.get_mut(&user).expect("checked").mute_until = None;
+                self.write_member(&conversation, user, None, ch);
+                let extra = json!({"from_user": actor, "to_user": user});
+                self.append(&conversation, actor, MessageKind::MemberUnmuted, extra, &[], now, ch, ev);
+                Ok(Reply::Done)
+            }
+            Command::UpdateGroup { actor, conversation, patch } => {
+                let conv = self.group_mut(&conversation)?;
+                if !role_of(conv, actor)?.manages() {
+                    return Err(DomainError::Forbidden("only the owner and admins update the group".into()));
+                }
+                if conv.dismissed {
+                    return Err(DomainError::Conflict("the group was dismissed".into()));
+                }
+                let mut changed = serde_json::Map::new();
+                if let Some(name) = patch.name {
+                    changed.insert("name".into(), json!(name));
+                    conv.name = Some(name);
+                }
+                if let Some(notice) = patch.notice {
+                    changed.insert("notice".into(), json!(notice));
+                    conv.notice = Some(notice);
+                }
+                if let Some(avatar) = patch.avatar {
+                    changed.insert("avatar".into(), json!(avatar));
+                    conv.avatar = Some(avatar);
+                }
+                if changed.is_empty() {
+                    return Err(DomainError::invalid("nothing to update: give name, notice or avatar"));
+                }
+                let extra = serde_json::Value::Object(changed);
+                self.append(&conversation, actor, MessageKind::GroupUpdated, extra, &[], now, ch, ev);
+                Ok(Reply::Conversation(conversation))
+            }
+            Command::Dismiss { actor, conversation } => {
+                let conv = self.group_mut(&conversation)?;
+                if role_of(conv, actor)? != Role::Owner {
+                    return Err(DomainError::Forbidden("only the owner dismisses the group".into()));
+                }
+                if conv.dismissed {
+                    return Err(DomainError::Conflict("the group was dismissed already".into()));
+                }
+                self.append(&conversation, actor, MessageKind::GroupDismissed, json!({}), &[], now, ch, ev);
+                self.conv_mut(&conversation).dismissed = true;
+                Ok(Reply::Done)
+            }
+            Command::Recall { actor, msg_id } => self.recall(actor, msg_id, now, ch, ev),
+            Command::Edit { actor, msg_id, content } => self.edit(actor, msg_id, content, now, ch, ev),
+            Command::AdminDelete { msg_id } => {
+                let mut msg = self.existing_message(msg_id)?;
+                if msg.status != MessageStatus::Deleted {
+                    msg.status = MessageStatus::Deleted;
+                    msg.content.clear();
+                    ch.message_updates.push(MessageUpdate {
+                        msg_id,
+                        status: MessageStatus::Deleted,
+                        version: msg.version,
+                        content: Some(String::new()),
+                        edited_at: msg.edited_at,
+                        recalled: None,
+                    });
+                    self.messages.insert(msg_id, msg.clone());
+                }
+                Ok(Reply::Message(Box::new(msg)))
+            }
+            Command::HideMessage { user, msg_id } => {
+                let msg = self.existing_message(msg_id)?;
+                let conv_id = ConversationId::parse(&msg.conversation_id).map_err(|_| DomainError::NotFound("message"))?;
+                let conv = self.conversations.get(&conv_id).ok_or(DomainError::NotFound("message"))?;
+                let m = conv.members.get(&user).ok_or(DomainError::NotFound("message"))?;
+                if msg.seq < m.joined_seq {
+                    return Err(DomainError::NotFound("message"));
+                }
+                ch.hidden_messages.push((user, msg_id));
+                Ok(Reply::Done)
+            }
+            Command::Read { user, conversation, seq, from_device } => {
+                let conv = self.member_conv_mut(&conversation, user)?;
+                let newest = conv.seq;
+                let member = conv.members.get_mut(&user).expect("member checked");
+                let target = seq.min(newest);
+                if target <= member.last_read_seq {
+                    return Ok(Reply::LastRead(member.last_read_seq));
+                }
+                member.last_read_seq = target;
+                let to: Vec<UserId> = conv.members.keys().copied().collect();
+                self.write_member(&conversation, user, None, ch);
+                ev.push(Event::Receipt { conversation, user, last_read_seq: target, to, except_device: from_device });
+                Ok(Reply::LastRead(target))
+            }
+            Command::Settings { user, conversation, patch } => {
+                let conv = self.member_conv_mut(&conversation, user)?;
+                let newest = conv.seq;
+                let m = conv.members.get_mut(&user).expect("member checked");
+                if let Some(p) = patch.pinned {
+                    m.pinned = p;
+                }
+                if let Some(mu) = patch.muted {
+                    m.muted = mu;
+                }
+                if let Some(h) = patch.hidden {
+                    m.hidden_seq = h.then_some(newest);
+                }
+                let (pinned, muted, hidden) = (m.pinned, m.muted, m.hidden(newest));
+                self.write_member(&conversation, user, None, ch);
+                ev.push(Event::SettingsChanged { user, conversation: conversation.clone(), pinned, muted, hidden });
+                Ok(Reply::Conversation(conversation))
+            }
+            Command::AdvanceCursor { user, device, chain, seq } => {
+                ch.cursors.push((user, device, chain.key().to_owned(), seq));
+                Ok(Reply::Done)
+            }
+        }
+    }
+
+    fn send(&mut self, s: SendCommand, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+        let key = (s.sender, s.client_msg_id.clone());
+        if let Some(ack) = self.dedupe.get(&key) {
+            return Ok(Reply::SendAck(SendAck { duplicate: true, ..ack.clone() }));
+        }
+        let conv_id = match &s.to {
+            SendTo::User(peer) => {
+                let id = ConversationId::single(s.sender, *peer).map_err(|e| DomainError::invalid(e.0))?;
+                if !self.conversations.contains_key(&id) {
+                    if !self.known_users.contains(peer) {
+                        return Err(DomainError::NotFound("user"));
+                    }
+                    self.create_single(&id, s.sender, *peer, now);
+                }
+                id
+            }
+            SendTo::Conversation(id) => id.clone(),
+        };
+        let conv = self.member_conv_mut(&conv_id, s.sender)?;
+        if conv.dismissed {
+            return Err(DomainError::Conflict("the group was dismissed; it is read-only".into()));
+        }
+        let me = conv.members.get(&s.sender).expect("member checked");
+        if me.mute_until.is_some_and(|until| until > now) {
+            return Err(DomainError::Muted);
+        }
+        let content = Content { kind: s.kind, content: s.content, extra: s.extra, reply_to: s.reply_to, mentions: s.mentions };
+        let msg = self.append_full(&conv_id, s.sender, Some(s.client_msg_id.clone()), content, &[], now, ch, ev);
+        // Sending reads everything up to the new message for the sender.
+        if let Some(m) = self.conv_mut(&conv_id).members.get_mut(&s.sender) {
+            m.last_read_seq = msg.seq;
+        }
+        self.write_member(&conv_id, s.sender, None, ch);
+        let ack = SendAck {
+            client_msg_id: s.client_msg_id.to_string(),
+            msg_id: msg.msg_id,
+            conversation_id: conv_id,
+            seq: msg.seq,
+            created_at: msg.created_at,
+            duplicate: false,
+        };
+        self.dedupe.insert(key, ack.clone());
+        Ok(Reply::SendAck(ack))
+    }
+
+    fn create_single(&mut self, id: &ConversationId, a: UserId, b: UserId, now: i64) {
+        let member = |_| MemberState {
+            role: Role::Member,
+            joined_seq: 1,
+            joined_at: now,
+            mute_until: None,
+            last_read_seq: 0,
+            pinned: false,
+            muted: false,
+            hidden_seq: None,
+        };
+        let members = [(a, member(a)), (b, member(b))].into_iter().collect();
+        self.absent.remove(id);
+        self.conversations.insert(id.clone(), new_conversation(id.clone(), false, None, None, members, now));
+    }
+
+    fn create_group(&mut self, owner: UserId, name: String, members: Vec<UserId>, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+        rules::validate_text_field("name", &name, rules::MAX_GROUP_NAME_CHARS)?;
+        let mut all = vec![owner];
+        for m in members {
+            if !all.contains(&m) {
+                all.push(m);
+            }
+        }
+        if all.len() > rules::MAX_USERS_PER_REQUEST + 1 {
+            return Err(DomainError::invalid(format!("at most {} members at creation", rules::MAX_USERS_PER_REQUEST)));
+        }
+        if let Some(unknown) = all.iter().find(|u| !self.known_users.contains(u)) {
+            return Err(DomainError::InvalidArgument(format!("user {unknown} is not registered")));
+        }
+        let id = ConversationId::group(self.ids.next(now));
+        let members = all
+            .iter()
+            .map(|u| {
+                let role = if *u == owner { Role::Owner } else { Role::Member };
+                (*u, MemberState { role, joined_seq: 1, joined_at: now, mute_until: None, last_read_seq: 0, pinned: false, muted: false, hidden_seq: None })
+            })
+            .collect();
+        self.conversations.insert(id.clone(), new_conversation(id.clone(), true, Some(name), Some(owner), members, now));
+        for u in &all {
+            self.write_member(&id, *u, None, ch);
+        }
+        let extra = json!({ "members": all });
+        self.append(&id, owner, MessageKind::GroupCreated, extra, &[], now, ch, ev);
+        Ok(Reply::Conversation(id))
+    }
+
+    fn invite(&mut self, actor: UserId, conv_id: &ConversationId, users: Vec<UserId>, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+        if users.is_empty() || users.len() > rules::MAX_USERS_PER_REQUEST {
+            return Err(DomainError::invalid(format!("user_ids must hold 1..={} users", rules::MAX_USERS_PER_REQUEST)));
+        }
+        let known = self.known_users.clone();
+        let conv = self.group_mut(conv_id)?;
+        role_of(conv, actor)?;
+        if conv.dismissed {
+            return Err(DomainError::Conflict("the group was dismissed".into()));
+        }
+        let mut fresh: Vec<UserId> = Vec::new();
+        for u in users {
+            if conv.members.contains_key(&u) {
+                return Err(DomainError::Conflict(format!("user {u} is already a member")));
+            }
+            if !known.contains(&u) {
+                return Err(DomainError::InvalidArgument(format!("user {u} is not registered")));
+            }
+            if !fresh.contains(&u) {
+                fresh.push(u);
+            }
+        }
+        if conv.members.len() + fresh.len() > rules::MAX_GROUP_MEMBERS {
+            return Err(DomainError::Conflict(format!("a group holds at most {} members", rules::MAX_GROUP_MEMBERS)));
+        }
+        // New members see the invitation itself and have read everything before it.
+        let invite_seq = conv.seq + 1;
+        for u in &fresh {
+            conv.members.insert(
+                *u,
+                MemberState { role: Role::Member, joined_seq: invite_seq, joined_at: now, mute_until: None, last_read_seq: conv.seq, pinned: false, muted: false, hidden_seq: None },
+            );
+        }
+        for u in &fresh {
+            self.write_member(conv_id, *u, None, ch);
+        }
+        let extra = json!({"from_user": actor, "to_users": fresh});
+        self.append(conv_id, actor, MessageKind::MemberInvited, extra, &[], now, ch, ev);
+        Ok(Reply::Done)
+    }
+
+    fn remove(&mut self, actor: UserId, conv_id: &ConversationId, user: UserId, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+        let conv = self.group_mut(conv_id)?;
+        let actor_role = role_of(conv, actor)?;
+        let target_role = conv.members.get(&user).map(|m| m.role).ok_or(DomainError::NotFound("member"))?;
+        let (kind, extra) = if actor == user {
+            if actor_role == Role::Owner {
+                return Err(DomainError::Forbidden("the owner cannot quit; dismiss the group instead".into()));
+            }
+            (MessageKind::MemberQuit, json!({"user": user}))
+        } else {
+            if !actor_role.manages() {
+                return Err(DomainError::Forbidden("only the owner and admins remove members".into()));
+            }
+            if !outranks(actor_role, target_role) {
+                return Err(DomainError::Forbidden("cannot remove a member of equal or higher role".into()));
+            }
+            (MessageKind::MemberKicked, json!({"from_user": actor, "to_users": [user]}))
+        };
+        // The removal is the last message the removed member receives.
+        let msg = self.append(conv_id, actor, kind, extra, &[], now, ch, ev);
+        self.write_member(conv_id, user, Some(msg.seq), ch);
+        self.conv_mut(conv_id).members.remove(&user);
+        self.touched.insert(conv_id.clone());
+        Ok(Reply::Done)
+    }
+
+    fn recall(&mut self, actor: UserId, msg_id: MsgId, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+        let msg = self.existing_message(msg_id)?;
+        let conv_id = self.visible_conversation_of(&msg, actor)?;
+        if !msg.kind.is_user_content() {
+            return Err(DomainError::invalid("only user messages can be recalled"));
+        }
+        let conv = self.conversations.get(&conv_id).expect("visible checked");
+        let manager = conv.is_group && conv.members.get(&actor).is_some_and(|m| m.role.manages());
+        if msg.sender != actor && !manager {
+            return Err(DomainError::Forbidden("only the sender or a group admin may recall".into()));
+        }
+        if msg.status == MessageStatus::Recalled {
+            return Ok(Reply::Message(Box::new(msg.redacted(false))));
+        }
+        if msg.status == MessageStatus::Deleted {
+            return Err(DomainError::Conflict("the message was deleted".into()));
+        }
+        if !manager && now - msg.created_at > self.cfg.recall_window_ms {
+            return Err(DomainError::WindowExpired);
+        }
+        let mut updated = msg.clone();
+        updated.status = MessageStatus::Recalled;
+        ch.message_updates.push(MessageUpdate {
+            msg_id,
+            status: MessageStatus::Recalled,
+            version: msg.version,
+            content: None,
+            edited_at: msg.edited_at,
+            recalled: Some((now, actor)),
+        });
+        self.messages.insert(msg_id, updated.clone());
+        let extra = json!({"msg_id": msg_id});
+        self.append(&conv_id, actor, MessageKind::Recall, extra, &[], now, ch, ev);
+        Ok(Reply::Message(Box::new(updated.redacted(false))))
+    }
+
+    fn edit(&mut self, actor: UserId, msg_id: MsgId, content: String, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+        let msg = self.existing_message(msg_id)?;
+        let conv_id = self.visible_conversation_of(&msg, actor)?;
+        if msg.sender != actor {
+            return Err(DomainError::Forbidden("only the sender may edit a message".into()));
+        }
+        if msg.kind != MessageKind::Text {
+            return Err(DomainError::invalid("only text messages can be edited"));
+        }
+        if msg.status != MessageStatus::Normal {
+            return Err(DomainError::Conflict(format!("the message is {}", msg.status.as_str())));
+        }
+        if now - msg.created_at > self.cfg.edit_window_ms {
+            return Err(DomainError::WindowExpired);
+        }
+        if self.conversations.get(&conv_id).is_some_and(|c| c.dismissed) {
+            return Err(DomainError::Conflict("the group was dismissed; it is read-only".into()));
+        }
+        let mut updated = msg.clone();
+        updated.version += 1;
+        updated.content = content.clone();
+        updated.edited_at = Some(now);
+        if msg.version == 1 {
+            ch.versions.push((msg_id, 1, msg.content.clone(), msg.created_at));
+        }
+        ch.versions.push((msg_id, updated.version, content.clone(), now));
+        ch.message_updates.push(MessageUpdate {
+            msg_id,
+            status: MessageStatus::Normal,
+            version: updated.version,
+            content: Some(content),
+            edited_at: Some(now),
+            recalled: None,
+        });
+        self.messages.insert(msg_id, updated.clone());
+        let extra = json!({"msg_id": msg_id, "version": updated.version});
+        self.append(&conv_id, actor, MessageKind::Edit, extra, &[], now, ch, ev);
+        Ok(Reply::Message(Box::new(updated)))
+    }
+
+    /// The conversation of `msg`, if `user` may see the message (a current member who joined
+    /// at or before it); `not_found` otherwise, so nothing leaks.
+    fn visible_conversation_of(&self, msg: &Message, user: UserId) -> Result<ConversationId, DomainError> {
+        let conv_id = ConversationId::parse(&msg.conversation_id).map_err(|_| DomainError::NotFound("message"))?;
+        let conv = self.conversations.get(&conv_id).ok_or(DomainError::NotFound("message"))?;
+        match conv.members.get(&user) {
+            Some(m) if msg.seq >= m.joined_seq => Ok(conv_id),
+            _ => Err(DomainError::NotFound("message")),
+        }
+    }
+
+    fn existing_message(&self, msg_id: MsgId) -> Result<Message, DomainError> {
+        match self.messages.get(&msg_id) {
+            Some(m) if !is_tombstone(m) => Ok(m.clone()),
+            _ => Err(DomainError::NotFound("message")),
+        }
+    }
+
+    fn check_manage_member(&mut self, actor: UserId, conv_id: &ConversationId, user: UserId) -> Result<(), DomainError> {
+        let conv = self.group_mut(conv_id)?;
+        let actor_role = role_of(conv, actor)?;
+        if !actor_role.manages() {
+            return Err(DomainError::Forbidden("only the owner and admins mute members".into()));
+        }
+        if conv.dismissed {
+            return Err(DomainError::Conflict("the group was dismissed".into()));
+        }
+        let target = conv.members.get(&user).ok_or(DomainError::NotFound("member"))?;
+        if !outranks(actor_role, target.role) {
+            return Err(DomainError::Forbidden("cannot mute a member of equal or higher role".into()));
+        }
+        Ok(())
+    }
+
+    fn group_mut(&mut self, id: &ConversationId) -> Result<&mut ConversationState, DomainError> {
+        match self.conversations.get_mut(id) {
+            Some(c) if c.is_group => Ok(c),
+            Some(_) => Err(DomainError::invalid("not a group")),
+            None => Err(DomainError::NotFound("group")),
+        }
+    }
+
+    fn member_conv_mut(&mut self, id: &ConversationId, user: UserId) -> Result<&mut ConversationState, DomainError> {
+        match self.conversations.get_mut(id) {
+            Some(c) if c.members.contains_key(&user) => Ok(c),
+            _ => Err(DomainError::NotMember),
+        }
+    }
+
+    fn conv_mut(&mut self, id: &ConversationId) -> &mut ConversationState {
+        self.conversations.get_mut(id).expect("conversation loaded and checked")
+    }
+
+    /// Records the current (or, with `left_seq`, the ended) membership row of `user`.
+    fn write_member(&mut self, conv_id: &ConversationId, user: UserId, left_seq: Option<u64>, ch: &mut Changes) {
+        let conv = self.conv_mut(conv_id);
+        if let Some(state) = conv.members.get(&user) {
+            let row = MemberRow { conversation: conv_id.clone(), user, state: state.clone(), left_seq };
+            ch.members.insert((conv_id.clone(), user), row);
+        }
+        self.touched.insert(conv_id.clone());
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn append(&mut self, conv_id: &ConversationId, sender: UserId, kind: MessageKind, extra: serde_json::Value, also_to: &[UserId], now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Arc<Message> {
+        let content = Content { kind, content: String::new(), extra, reply_to: None, mentions: Vec::new() };
+        self.append_full(conv_id, sender, None, content, also_to, now, ch, ev)
+    }
+
+    /// Appends a message at the next seq, copies it into the inboxes of a write fan-out
+    /// conversation's members, and announces it. The conversation must be loaded.
+    #[allow(clippy::too_many_arguments)]
+    fn append_full(&mut self, conv_id: &ConversationId, sender: UserId, client_msg_id: Option<ClientMsgId>, c: Content, also_to: &[UserId], now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Arc<Message> {
+        let msg_id = MsgId::new(self.ids.next(now)).expect("snowflakes are positive 63-bit ids");
+        let write_max = self.cfg.fanout_write_max_members;
+        let conv = self.conversations.get_mut(conv_id).expect("conversation loaded and checked");
+        conv.seq += 1;
+        let seq = conv.seq;
+        // Recall and edit commands change an older message; the list keeps showing that one.
+        if !matches!(c.kind, MessageKind::Recall | MessageKind::Edit) {
+            conv.last_msg_id = Some(msg_id);
+        }
+        conv.updated_at = now;
+        let message = Arc::new(Message {
+            msg_id,
+            conversation_id: conv_id.to_string(),
+            seq,
+            sender,
+            client_msg_id: client_msg_id.map(|c| c.to_string()),
+            kind: c.kind,
+            content: c.content,
+            extra: c.extra,
+            reply_to: c.reply_to,
+            mentions: c.mentions,
+            status: MessageStatus::Normal,
+            version: 1,
+            created_at: now,
+            edited_at: None,
+        });
+        let fanout = conv.fanout(write_max);
+        let mut recipients: Vec<Recipient> = Vec::with_capacity(conv.members.len() + also_to.len());
+        let targets = conv.members.keys().copied().chain(also_to.iter().copied());
+        match fanout {
+            Fanout::Write => {
+                for user in targets {
+                    let head = self.inbox_heads.entry(user).or_insert(0);
+                    *head += 1;
+                    ch.inbox.push(InboxRow { user, user_seq: *head, msg_id, conversation: conv_id.clone(), seq });
+                    recipients.push((user, Some(*head)));
+                }
+            }
+            Fanout::Read => recipients.extend(targets.map(|u| (u, None))),
+        }
+        self.touched.insert(conv_id.clone());
+        ch.messages.push((*message).clone());
+        ev.push(Event::Message { message: message.clone(), recipients });
+        message
+    }
+}
+
+struct Content {
+    kind: MessageKind,
+    content: String,
+    extra: serde_json::Value,
+    reply_to: Option<MsgId>,
+    mentions: Vec<u64>,
+}
+
+fn role_of(conv: &ConversationState, user: UserId) -> Result<Role, DomainError> {
+    conv.members.get(&user).map(|m| m.role).ok_or(DomainError::NotMember)
+}
+
+fn new_conversation(id: ConversationId, is_group: bool, name: Option<String>, owner: Option<UserId>, members: HashMap<UserId, MemberState>, now: i64) -> ConversationState {
+    ConversationState {
+        id,
+        is_group,
+        seq: 0,
+        name,
+        notice: None,
+        avatar: None,
+        owner,
+        dismissed: false,
+        last_msg_id: None,
+        created_at: now,
+        updated_at: now,
+        members,
+    }
+}
+
+/// A placeholder for a message id the store does not hold, so `needs` stops asking for it.
+fn tombstone(id: MsgId) -> Message {
+    Message {
+        msg_id: id,
+        conversation_id: String::new(),
+        seq: 0,
+        sender: UserId::new(1).expect("1 is a valid user id"),
+        client_msg_id: None,
+        kind: MessageKind::Custom,
+        content: String::new(),
+        extra: serde_json::Value::Null,
+        reply_to: None,
+        mentions: Vec::new(),
+        status: MessageStatus::Deleted,
+        version: 0,
+        created_at: 0,
+        edited_at: None,
+    }
+}
+
+fn is_tombstone(m: &Message) -> bool {
+    m.version == 0 && m.conversation_id.is_empty()
+}

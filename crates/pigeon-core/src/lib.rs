@@ -1,0 +1,19 @@
+//! Pigeon's domain: the rules of conversations, `seq`, inboxes and fan-out, and the ports
+//! (traits) that storage adapters implement. Nothing here does I/O: the engine is a state
+//! machine fed with commands and loaded state, and it answers with the rows to commit and the
+//! events to publish once they are durable.
+
+pub mod changes;
+pub mod command;
+pub mod engine;
+pub mod error;
+pub mod rules;
+pub mod snowflake;
+pub mod state;
+pub mod store;
+
+pub use changes::{Changes, Event};
+pub use command::{Command, Reply};
+pub use engine::{Engine, EngineConfig};
+pub use error::DomainError;
+pub use store::{Store, StoreError};

@@ -1,0 +1,153 @@
+//! Rules that both the write path and the read path apply: what a member may see, what a
+//! send may carry, who may change what. Pure functions over plain values.
+
+use crate::command::{SendCommand, SendTo};
+use crate::error::DomainError;
+use pigeon_proto::views::{Role, SendRequest};
+use pigeon_proto::{ClientMsgId, MessageKind, UserId};
+
+/// Limits on what comes from outside.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_content_bytes: usize,
+}
+
+pub const MAX_MENTIONS: usize = 100;
+pub const MAX_GROUP_NAME_CHARS: usize = 128;
+pub const MAX_NOTICE_CHARS: usize = 4096;
+pub const MAX_AVATAR_CHARS: usize = 2048;
+pub const MAX_USERS_PER_REQUEST: usize = 1000;
+pub const MAX_GROUP_MEMBERS: usize = 100_000;
+pub const MAX_MUTE_SECS: u64 = 366 * 86_400;
+
+/// The part of a conversation's chain a membership may read: `joined_seq ..= left_seq` (or
+/// up to the newest seq while still a member).
+pub fn visible_range(joined_seq: u64, left_seq: Option<u64>, newest_seq: u64) -> (u64, u64) {
+    (joined_seq.max(1), left_seq.unwrap_or(newest_seq).min(newest_seq))
+}
+
+/// Checks a send from the wire and turns it into a command.
+pub fn validate_send(sender: UserId, req: SendRequest, limits: Limits) -> Result<SendCommand, DomainError> {
+    let client_msg_id = ClientMsgId::parse(&req.client_msg_id).map_err(|e| DomainError::invalid(e.0))?;
+    let to = match (req.to.user, req.to.conversation) {
+        (Some(user), None) if user == sender => {
+            return Err(DomainError::invalid("cannot send a single-chat message to yourself"));
+        }
+        (Some(user), None) => SendTo::User(user),
+        (None, Some(conv)) => SendTo::Conversation(conv),
+        _ => return Err(DomainError::invalid("to must name exactly one of user or conversation")),
+    };
+    let kind = MessageKind::parse(&req.kind)
+        .filter(|k| k.is_user_content())
+        .ok_or_else(|| DomainError::invalid("kind must be one of text, image, voice, video, file, custom"))?;
+    if req.content.is_empty() {
+        return Err(DomainError::invalid("content must not be empty"));
+    }
+    if req.content.len() > limits.max_content_bytes {
+        return Err(DomainError::PayloadTooLarge(format!(
+            "content is over {} bytes",
+            limits.max_content_bytes
+        )));
+    }
+    if !req.extra.is_null() && req.extra.to_string().len() > limits.max_content_bytes {
+        return Err(DomainError::PayloadTooLarge(format!("extra is over {} bytes", limits.max_content_bytes)));
+    }
+    if req.mentions.len() > MAX_MENTIONS {
+        return Err(DomainError::invalid(format!("at most {MAX_MENTIONS} mentions")));
+    }
+    for m in &req.mentions {
+        UserId::new(*m).map_err(|e| DomainError::invalid(e.0))?;
+    }
+    Ok(SendCommand {
+        sender,
+        to,
+        client_msg_id,
+        kind,
+        content: req.content,
+        extra: req.extra,
+        reply_to: req.reply_to,
+        mentions: req.mentions,
+    })
+}
+
+/// Checks edited text like the content of a send.
+pub fn validate_edit_content(content: &str, limits: Limits) -> Result<(), DomainError> {
+    if content.is_empty() {
+        return Err(DomainError::invalid("content must not be empty"));
+    }
+    if content.len() > limits.max_content_bytes {
+        return Err(DomainError::PayloadTooLarge(format!(
+            "content is over {} bytes",
+            limits.max_content_bytes
+        )));
+    }
+    Ok(())
+}
+
+/// Bounds a free-text group field.
+pub fn validate_text_field(field: &str, value: &str, max_chars: usize) -> Result<(), DomainError> {
+    if value.chars().count() > max_chars {
+        return Err(DomainError::invalid(format!("{field} is longer than {max_chars} characters")));
+    }
+    Ok(())
+}
+
+/// Whether `actor` may act on `target` (kick, mute): strictly higher rank.
+pub fn outranks(actor: Role, target: Role) -> bool {
+    fn rank(r: Role) -> u8 {
+        match r {
+            Role::Owner => 2,
+            Role::Admin => 1,
+            Role::Member => 0,
+        }
+    }
+    rank(actor) > rank(target)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pigeon_proto::views::SendTarget;
+
+    fn req(kind: &str, content: &str, to_user: u64) -> SendRequest {
+        SendRequest {
+            client_msg_id: "m1".into(),
+            to: SendTarget { user: Some(UserId::new(to_user).unwrap()), conversation: None },
+            kind: kind.into(),
+            content: content.into(),
+            extra: serde_json::Value::Null,
+            reply_to: None,
+            mentions: vec![],
+        }
+    }
+
+    const LIMITS: Limits = Limits { max_content_bytes: 10 };
+
+    #[test]
+    fn sends_are_checked() {
+        let me = UserId::new(1).unwrap();
+        assert!(validate_send(me, req("text", "hi", 2), LIMITS).is_ok());
+        assert_eq!(validate_send(me, req("text", "hi", 1), LIMITS).unwrap_err().code().as_str(), "invalid_argument");
+        assert_eq!(validate_send(me, req("recall", "hi", 2), LIMITS).unwrap_err().code().as_str(), "invalid_argument");
+        assert_eq!(validate_send(me, req("text", "", 2), LIMITS).unwrap_err().code().as_str(), "invalid_argument");
+        assert_eq!(
+            validate_send(me, req("text", "01234567890", 2), LIMITS).unwrap_err().code().as_str(),
+            "payload_too_large"
+        );
+    }
+
+    #[test]
+    fn visibility_is_bounded_by_membership() {
+        assert_eq!(visible_range(5, None, 10), (5, 10));
+        assert_eq!(visible_range(5, Some(7), 10), (5, 7));
+        assert_eq!(visible_range(0, None, 3), (1, 3));
+    }
+
+    #[test]
+    fn only_higher_ranks_act() {
+        assert!(outranks(Role::Owner, Role::Admin));
+        assert!(outranks(Role::Admin, Role::Member));
+        assert!(!outranks(Role::Admin, Role::Admin));
+        assert!(!outranks(Role::Member, Role::Member));
+    }
+}

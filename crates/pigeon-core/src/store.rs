@@ -1,0 +1,154 @@
+//! The store port: what the write pipeline and the read paths need of durable storage.
+//! The embedded adapter (SQLite) and the distributed one (PostgreSQL) implement it and pass
+//! the same tests.
+
+use crate::changes::Changes;
+use crate::state::ConversationState;
+use pigeon_proto::frames::SyncConversation;
+use pigeon_proto::views::{ChainItem, ConversationView, MemberView, Role, SendAck, VersionView};
+use pigeon_proto::{ClientMsgId, ConversationId, Message, MsgId, UserId};
+use std::collections::{HashMap, HashSet};
+
+/// A storage failure. Its text is logged, never sent to clients.
+#[derive(Debug, thiserror::Error)]
+#[error("store: {0}")]
+pub struct StoreError(pub String);
+
+/// What the engine is missing to decide a batch.
+#[derive(Debug, Default, Clone)]
+pub struct Needs {
+    pub conversations: HashSet<ConversationId>,
+    /// Users whose existence and inbox head are needed.
+    pub users: HashSet<UserId>,
+    pub messages: HashSet<MsgId>,
+    pub dedupe: HashSet<(UserId, ClientMsgId)>,
+}
+
+impl Needs {
+    pub fn is_empty(&self) -> bool {
+        self.conversations.is_empty() && self.users.is_empty() && self.messages.is_empty() && self.dedupe.is_empty()
+    }
+}
+
+/// The answer to [`Needs`]. Every conversation asked for is present (`None` when it does not
+/// exist); inbox heads cover the users asked for and every current member of the loaded
+/// conversations; `users` holds those of the asked-for users that are registered.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub conversations: HashMap<ConversationId, Option<ConversationState>>,
+    pub users: HashSet<UserId>,
+    pub inbox_heads: HashMap<UserId, u64>,
+    pub messages: HashMap<MsgId, Message>,
+    pub dedupe: HashMap<(UserId, ClientMsgId), SendAck>,
+}
+
+/// A registered user.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UserRecord {
+    pub user_id: UserId,
+    pub name: String,
+    pub avatar: String,
+    /// Bumped by logout; tokens minted under an older generation are revoked.
+    pub token_gen: u64,
+}
+
+/// One user's membership of one conversation, current or ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Membership {
+    pub role: Role,
+    pub joined_seq: u64,
+    pub left_seq: Option<u64>,
+    pub last_read_seq: u64,
+    /// The conversation's newest seq.
+    pub conversation_seq: u64,
+    pub is_read_fanout: bool,
+}
+
+/// Which page of history.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HistoryAnchor {
+    Newest,
+    Before(u64),
+    After(u64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HistoryQuery {
+    pub anchor: HistoryAnchor,
+    pub limit: u32,
+    pub from_time: Option<i64>,
+    pub to_time: Option<i64>,
+}
+
+/// A stored message with its audit fields (admin API).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditedMessage {
+    /// Original content, even of a recalled message.
+    pub message: Message,
+    pub recalled_at: Option<i64>,
+    pub recalled_by: Option<UserId>,
+}
+
+/// Position in the conversation list: (pinned, updated_at, conversation_id) of the last entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ListCursor {
+    pub pinned: bool,
+    pub updated_at: i64,
+    pub conversation_id: ConversationId,
+}
+
+#[async_trait::async_trait]
+pub trait Store: Send + Sync + 'static {
+    // The write pipeline.
+    async fn load(&self, needs: Needs) -> Result<Loaded, StoreError>;
+    async fn commit(&self, changes: Changes) -> Result<(), StoreError>;
+    /// The largest msg_id ever stored (floor for the id generator).
+    async fn max_msg_id(&self) -> Result<u64, StoreError>;
+
+    // Settings kept by the store (admin key, token secret).
+    async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError>;
+    async fn meta_set(&self, key: &str, value: &str) -> Result<(), StoreError>;
+
+    // Reads.
+    async fn user(&self, user: UserId) -> Result<Option<UserRecord>, StoreError>;
+    async fn membership(&self, conv: &ConversationId, user: UserId) -> Result<Option<Membership>, StoreError>;
+    /// One page of `conv` between seqs `lo ..= hi` (the reader's visible range), as `reader`
+    /// sees it, ascending; and whether more exist beyond the page in the direction asked.
+    async fn history(
+        &self,
+        conv: &ConversationId,
+        reader: UserId,
+        range: (u64, u64),
+        query: HistoryQuery,
+    ) -> Result<(Vec<Message>, bool), StoreError>;
+    /// The conversations `user` is a member of, as the list shows them; one when `only` is set.
+    async fn conversations(
+        &self,
+        user: UserId,
+        only: Option<&ConversationId>,
+        after: Option<ListCursor>,
+        limit: u32,
+        include_hidden: bool,
+    ) -> Result<Vec<ConversationView>, StoreError>;
+    async fn members(&self, conv: &ConversationId, after: Option<UserId>, limit: u32) -> Result<Vec<MemberView>, StoreError>;
+    async fn message(&self, msg_id: MsgId) -> Result<Option<AuditedMessage>, StoreError>;
+    async fn versions(&self, msg_id: MsgId) -> Result<Vec<VersionView>, StoreError>;
+    async fn is_hidden_for(&self, user: UserId, msg_id: MsgId) -> Result<bool, StoreError>;
+    async fn inbox_head(&self, user: UserId) -> Result<u64, StoreError>;
+    /// Inbox entries `from ..= to`, at most `limit`, ascending, as `user` sees them; and
+    /// whether the inbox holds more after the last one up to `to`.
+    async fn pull_inbox(&self, user: UserId, from: u64, to: u64, limit: u32) -> Result<(Vec<ChainItem>, bool), StoreError>;
+    async fn cursor(&self, user: UserId, device: &str, chain: &str) -> Result<u64, StoreError>;
+    /// Read fan-out groups of `user` with messages after the position given (or the device's
+    /// stored cursor, or 0).
+    async fn read_fanout_changes(
+        &self,
+        user: UserId,
+        device: &str,
+        given: &HashMap<String, u64>,
+    ) -> Result<Vec<SyncConversation>, StoreError>;
+    /// (conversation, unread, muted) for every current membership with unread messages.
+    async fn unread(&self, user: UserId) -> Result<Vec<(ConversationId, u64, bool)>, StoreError>;
+    /// Current members other than the sender of `seq`, split by whether they read it.
+    async fn receipts(&self, conv: &ConversationId, seq: u64) -> Result<(Vec<UserId>, Vec<UserId>), StoreError>;
+}

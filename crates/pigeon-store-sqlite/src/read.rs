@@ -1,0 +1,365 @@
+//! The read side: history pages, the conversation list, pulls, unread counts and receipts.
+//! Every history read walks the (conversation_id, seq) index; nothing uses OFFSET.
+
+use crate::rows::{self, MESSAGE_COLUMNS, MESSAGE_COLUMN_COUNT};
+use pigeon_core::store::{AuditedMessage, HistoryAnchor, HistoryQuery, ListCursor, Membership, UserRecord};
+use pigeon_proto::frames::SyncConversation;
+use pigeon_proto::views::{ChainItem, ConversationType, ConversationView, Fanout, MemberView, VersionView};
+use pigeon_proto::{ConversationId, Message, MsgId, UserId};
+use rusqlite::{Connection, OptionalExtension, params};
+use std::collections::HashMap;
+
+/// Counts toward unread: user content from others, still normal, not hidden by the reader.
+const UNREAD_SQL: &str = "SELECT count(*) FROM messages m WHERE m.conversation_id = ?1 AND m.seq > ?2 AND m.seq <= ?3 \
+     AND m.sender != ?4 AND m.status = 'normal' AND m.kind IN ('text','image','voice','video','file','custom') \
+     AND NOT EXISTS (SELECT 1 FROM hidden_messages h WHERE h.user_id = ?4 AND h.msg_id = m.msg_id)";
+
+pub fn meta_get(c: &Connection, key: &str) -> rusqlite::Result<Option<String>> {
+    c.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0)).optional()
+}
+
+pub fn user(c: &Connection, user: UserId) -> rusqlite::Result<Option<UserRecord>> {
+    c.prepare_cached("SELECT name, avatar, token_gen FROM users WHERE user_id = ?1")?
+        .query_row([user.get() as i64], |r| {
+            Ok(UserRecord { user_id: user, name: r.get(0)?, avatar: r.get(1)?, token_gen: r.get::<_, i64>(2)? as u64 })
+        })
+        .optional()
+}
+
+pub fn membership(c: &Connection, conv: &ConversationId, user: UserId) -> rusqlite::Result<Option<Membership>> {
+    c.prepare_cached(
+        "SELECT mb.role, mb.joined_seq, mb.left_seq, mb.last_read_seq, c.seq, c.fanout FROM members mb \
+         JOIN conversations c ON c.conversation_id = mb.conversation_id WHERE mb.conversation_id = ?1 AND mb.user_id = ?2",
+    )?
+    .query_row(params![conv.as_str(), user.get() as i64], |r| {
+        Ok(Membership {
+            role: rows::role(r, 0)?,
+            joined_seq: r.get::<_, i64>(1)? as u64,
+            left_seq: r.get::<_, Option<i64>>(2)?.map(|v| v as u64),
+            last_read_seq: r.get::<_, i64>(3)? as u64,
+            conversation_seq: r.get::<_, i64>(4)? as u64,
+            is_read_fanout: r.get::<_, String>(5)? == "read",
+        })
+    })
+    .optional()
+}
+
+/// A message as `reader` sees it, from a row of MESSAGE_COLUMNS followed by a hidden flag.
+fn reader_message(r: &rusqlite::Row, at: usize) -> rusqlite::Result<Message> {
+    let hidden: bool = r.get::<_, Option<i64>>(at + MESSAGE_COLUMN_COUNT)?.is_some();
+    Ok(rows::message(r, at)?.redacted(hidden))
+}
+
+pub fn history(
+    c: &Connection,
+    conv: &ConversationId,
+    reader: UserId,
+    (lo, hi): (u64, u64),
+    q: HistoryQuery,
+) -> rusqlite::Result<(Vec<Message>, bool)> {
+    let (lo, hi, desc) = match q.anchor {
+        HistoryAnchor::Newest => (lo, hi, true),
+        HistoryAnchor::Before(s) => (lo, hi.min(s.saturating_sub(1)), true),
+        HistoryAnchor::After(s) => (lo.max(s.saturating_add(1)), hi, false),
+    };
+    if lo > hi || q.limit == 0 {
+        return Ok((Vec::new(), false));
+    }
+    let sql = format!(
+        "SELECT {MESSAGE_COLUMNS}, h.msg_id FROM messages m \
+         LEFT JOIN hidden_messages h ON h.user_id = ?4 AND h.msg_id = m.msg_id \
+         WHERE m.conversation_id = ?1 AND m.seq >= ?2 AND m.seq <= ?3 AND m.created_at >= ?5 AND m.created_at <= ?6 \
+         ORDER BY m.seq {} LIMIT ?7",
+        if desc { "DESC" } else { "ASC" }
+    );
+    let mut st = c.prepare_cached(&sql)?;
+    let rows = st.query_map(
+        params![
+            conv.as_str(),
+            lo as i64,
+            hi as i64,
+            reader.get() as i64,
+            q.from_time.unwrap_or(i64::MIN),
+            q.to_time.unwrap_or(i64::MAX),
+            q.limit as i64 + 1
+        ],
+        |r| reader_message(r, 0),
+    )?;
+    let mut out = rows.collect::<rusqlite::Result<Vec<_>>>()?;
+    let has_more = out.len() > q.limit as usize;
+    out.truncate(q.limit as usize);
+    if desc {
+        out.reverse();
+    }
+    Ok((out, has_more))
+}
+
+fn message_for(c: &Connection, reader: UserId, msg_id: i64) -> rusqlite::Result<Option<Message>> {
+    let sql = format!(
+        "SELECT {MESSAGE_COLUMNS}, h.msg_id FROM messages m \
+         LEFT JOIN hidden_messages h ON h.user_id = ?2 AND h.msg_id = m.msg_id WHERE m.msg_id = ?1"
+    );
+    c.prepare_cached(&sql)?.query_row(params![msg_id, reader.get() as i64], |r| reader_message(r, 0)).optional()
+}
+
+fn unread_count(c: &Connection, conv: &str, after: u64, upto: u64, reader: UserId) -> rusqlite::Result<u64> {
+    if after >= upto {
+        return Ok(0);
+    }
+    c.prepare_cached(UNREAD_SQL)?
+        .query_row(params![conv, after as i64, upto as i64, reader.get() as i64], |r| r.get::<_, i64>(0))
+        .map(|n| n as u64)
+}
+
+pub fn conversations(
+    c: &Connection,
+    user: UserId,
+    only: Option<&ConversationId>,
+    after: Option<&ListCursor>,
+    limit: u32,
+    include_hidden: bool,
+) -> rusqlite::Result<Vec<ConversationView>> {
+    let sql = "SELECT c.conversation_id, c.is_group, c.seq, c.member_count, c.fanout, c.name, c.notice, c.avatar, \
+         c.owner, c.dismissed, c.last_msg_id, c.updated_at, mb.last_read_seq, mb.pinned, mb.muted, mb.hidden_seq \
+         FROM members mb JOIN conversations c ON c.conversation_id = mb.conversation_id \
+         WHERE mb.user_id = ?1 AND mb.left_seq IS NULL \
+         AND (?2 IS NULL OR mb.conversation_id = ?2) \
+         AND (?3 OR mb.hidden_seq IS NULL OR c.seq > mb.hidden_seq) \
+         AND (?4 IS NULL OR (mb.pinned, c.updated_at, c.conversation_id) < (?4, ?5, ?6)) \
+         ORDER BY mb.pinned DESC, c.updated_at DESC, c.conversation_id DESC LIMIT ?7";
+    let mut st = c.prepare_cached(sql)?;
+    struct Raw {
+        view: ConversationView,
+        last_msg_id: Option<i64>,
+    }
+    let raws = st
+        .query_map(
+            params![
+                user.get() as i64,
+                only.map(|o| o.as_str()),
+                include_hidden,
+                after.map(|a| a.pinned as i64),
+                after.map(|a| a.updated_at),
+                after.map(|a| a.conversation_id.as_str()),
+                limit as i64
+            ],
+            |r| {
+                let id: String = r.get(0)?;
+                let conversation_id = ConversationId::parse(&id).map_err(|_| {
+                    rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, "bad id".into())
+                })?;
+                let is_group = r.get::<_, i64>(1)? != 0;
+                let seq = r.get::<_, i64>(2)? as u64;
+                let hidden_seq: Option<i64> = r.get(15)?;
+                Ok(Raw {
+                    view: ConversationView {
+                        peer: conversation_id.peer_of(user),
+                        conversation_id,
+                        kind: if is_group { ConversationType::Group } else { ConversationType::Single },
+                        name: r.get(5)?,
+                        member_count: r.get::<_, i64>(3)? as u64,
+                        seq,
+                        fanout: if r.get::<_, String>(4)? == "read" { Fanout::Read } else { Fanout::Write },
+                        last_message: None,
+                        unread: 0,
+                        last_read_seq: r.get::<_, i64>(12)? as u64,
+                        pinned: r.get::<_, i64>(13)? != 0,
+                        muted: r.get::<_, i64>(14)? != 0,
+                        updated_at: r.get(11)?,
+                        hidden: hidden_seq.is_some_and(|h| seq <= h as u64),
+                        notice: r.get(6)?,
+                        avatar: r.get(7)?,
+                        owner: r.get::<_, Option<i64>>(8)?.and_then(|v| UserId::new(v as u64).ok()),
+                        dismissed: r.get::<_, i64>(9)? != 0,
+                    },
+                    last_msg_id: r.get(10)?,
+                })
+            },
+        )?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut out = Vec::with_capacity(raws.len());
+    for Raw { mut view, last_msg_id } in raws {
+        if let Some(id) = last_msg_id {
+            view.last_message = message_for(c, user, id)?;
+        }
+        view.unread = unread_count(c, view.conversation_id.as_str(), view.last_read_seq, view.seq, user)?;
+        if let Some(peer) = view.peer {
+            view.name = self::user(c, peer)?.map(|u| u.name);
+        }
+        out.push(view);
+    }
+    Ok(out)
+}
+
+pub fn members(c: &Connection, conv: &ConversationId, after: Option<UserId>, limit: u32) -> rusqlite::Result<Vec<MemberView>> {
+    let now = now_ms();
+    let mut st = c.prepare_cached(
+        "SELECT user_id, role, joined_at, mute_until FROM members WHERE conversation_id = ?1 AND left_seq IS NULL \
+         AND user_id > ?2 ORDER BY user_id LIMIT ?3",
+    )?;
+    st.query_map(params![conv.as_str(), after.map_or(0, |u| u.get() as i64), limit as i64], |r| {
+        Ok(MemberView {
+            user_id: rows::user_id(r, 0)?,
+            role: rows::role(r, 1)?,
+            joined_at: r.get(2)?,
+            muted_until: r.get::<_, Option<i64>>(3)?.filter(|until| *until > now),
+        })
+    })?
+    .collect()
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+pub fn audited_message(c: &Connection, msg_id: MsgId) -> rusqlite::Result<Option<AuditedMessage>> {
+    let sql = format!("SELECT {MESSAGE_COLUMNS}, m.recalled_at, m.recalled_by FROM messages m WHERE m.msg_id = ?1");
+    c.prepare_cached(&sql)?
+        .query_row([msg_id.get() as i64], |r| {
+            Ok(AuditedMessage {
+                message: rows::message(r, 0)?,
+                recalled_at: r.get(MESSAGE_COLUMN_COUNT)?,
+                recalled_by: r.get::<_, Option<i64>>(MESSAGE_COLUMN_COUNT + 1)?.and_then(|v| UserId::new(v as u64).ok()),
+            })
+        })
+        .optional()
+}
+
+pub fn versions(c: &Connection, msg_id: MsgId) -> rusqlite::Result<Vec<VersionView>> {
+    c.prepare_cached("SELECT version, content, at FROM message_versions WHERE msg_id = ?1 ORDER BY version")?
+        .query_map([msg_id.get() as i64], |r| {
+            Ok(VersionView { version: r.get::<_, i64>(0)? as u32, content: r.get(1)?, at: r.get(2)? })
+        })?
+        .collect()
+}
+
+pub fn is_hidden_for(c: &Connection, user: UserId, msg_id: MsgId) -> rusqlite::Result<bool> {
+    c.prepare_cached("SELECT 1 FROM hidden_messages WHERE user_id = ?1 AND msg_id = ?2")?
+        .exists(params![user.get() as i64, msg_id.get() as i64])
+}
+
+pub fn inbox_head(c: &Connection, user: UserId) -> rusqlite::Result<u64> {
+    c.prepare_cached("SELECT coalesce(max(user_seq), 0) FROM inbox WHERE user_id = ?1")?
+        .query_row([user.get() as i64], |r| r.get::<_, i64>(0))
+        .map(|v| v as u64)
+}
+
+pub fn pull_inbox(c: &Connection, user: UserId, from: u64, to: u64, limit: u32) -> rusqlite::Result<(Vec<ChainItem>, bool)> {
+    if from > to || limit == 0 {
+        return Ok((Vec::new(), false));
+    }
+    let sql = format!(
+        "SELECT i.user_seq, {MESSAGE_COLUMNS}, h.msg_id FROM inbox i JOIN messages m ON m.msg_id = i.msg_id \
+         LEFT JOIN hidden_messages h ON h.user_id = ?1 AND h.msg_id = m.msg_id \
+         WHERE i.user_id = ?1 AND i.user_seq >= ?2 AND i.user_seq <= ?3 ORDER BY i.user_seq LIMIT ?4"
+    );
+    let mut st = c.prepare_cached(&sql)?;
+    let mut items = st
+        .query_map(params![user.get() as i64, from as i64, to as i64, limit as i64 + 1], |r| {
+            Ok(ChainItem { seq: r.get::<_, i64>(0)? as u64, message: reader_message(r, 1)? })
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let has_more = items.len() > limit as usize;
+    items.truncate(limit as usize);
+    Ok((items, has_more))
+}
+
+pub fn cursor(c: &Connection, user: UserId, device: &str, chain: &str) -> rusqlite::Result<u64> {
+    c.prepare_cached("SELECT seq FROM cursors WHERE user_id = ?1 AND device_id = ?2 AND chain = ?3")?
+        .query_row(params![user.get() as i64, device, chain], |r| r.get::<_, i64>(0))
+        .optional()
+        .map(|v| v.unwrap_or(0) as u64)
+}
+
+pub fn read_fanout_changes(
+    c: &Connection,
+    user: UserId,
+    device: &str,
+    given: &HashMap<String, u64>,
+) -> rusqlite::Result<Vec<SyncConversation>> {
+    let mut st = c.prepare_cached(
+        "SELECT c.conversation_id, c.seq, c.last_msg_id, mb.joined_seq, mb.last_read_seq FROM members mb \
+         JOIN conversations c ON c.conversation_id = mb.conversation_id \
+         WHERE mb.user_id = ?1 AND mb.left_seq IS NULL AND c.fanout = 'read'",
+    )?;
+    let groups = st
+        .query_map([user.get() as i64], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, i64>(1)? as u64,
+                r.get::<_, Option<i64>>(2)?,
+                r.get::<_, i64>(3)? as u64,
+                r.get::<_, i64>(4)? as u64,
+            ))
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut out = Vec::new();
+    for (id, seq, last_msg_id, joined_seq, last_read) in groups {
+        let position = match given.get(&id) {
+            Some(p) => *p,
+            None => cursor(c, user, device, &id)?,
+        };
+        // A member's part of the chain starts where they joined.
+        let position = position.max(joined_seq.saturating_sub(1));
+        if seq <= position {
+            continue;
+        }
+        let Ok(conversation_id) = ConversationId::parse(&id) else { continue };
+        let last_message = match last_msg_id {
+            Some(m) => message_for(c, user, m)?,
+            None => None,
+        };
+        out.push(SyncConversation {
+            unread: unread_count(c, &id, last_read, seq, user)?,
+            conversation_id,
+            seq,
+            cursor: position,
+            last_message,
+        });
+    }
+    Ok(out)
+}
+
+pub fn unread(c: &Connection, user: UserId) -> rusqlite::Result<Vec<(ConversationId, u64, bool)>> {
+    let mut st = c.prepare_cached(
+        "SELECT c.conversation_id, mb.last_read_seq, c.seq, mb.muted FROM members mb \
+         JOIN conversations c ON c.conversation_id = mb.conversation_id \
+         WHERE mb.user_id = ?1 AND mb.left_seq IS NULL AND c.seq > mb.last_read_seq",
+    )?;
+    let candidates = st
+        .query_map([user.get() as i64], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64, r.get::<_, i64>(2)? as u64, r.get::<_, i64>(3)? != 0))
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut out = Vec::new();
+    for (id, last_read, seq, muted) in candidates {
+        let n = unread_count(c, &id, last_read, seq, user)?;
+        if n > 0 {
+            if let Ok(conv) = ConversationId::parse(&id) {
+                out.push((conv, n, muted));
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub fn receipts(c: &Connection, conv: &ConversationId, seq: u64) -> rusqlite::Result<(Vec<UserId>, Vec<UserId>)> {
+    let sender: Option<i64> = c
+        .prepare_cached("SELECT sender FROM messages WHERE conversation_id = ?1 AND seq = ?2")?
+        .query_row(params![conv.as_str(), seq as i64], |r| r.get(0))
+        .optional()?;
+    let mut st = c.prepare_cached(
+        "SELECT user_id, last_read_seq >= ?2 FROM members WHERE conversation_id = ?1 AND left_seq IS NULL \
+         AND joined_seq <= ?2 ORDER BY user_id",
+    )?;
+    let (mut read, mut unread) = (Vec::new(), Vec::new());
+    let rows = st.query_map(params![conv.as_str(), seq as i64], |r| Ok((rows::user_id(r, 0)?, r.get::<_, bool>(1)?)))?;
+    for row in rows {
+        let (u, has_read) = row?;
+        if Some(u.get() as i64) == sender {
+            continue;
+        }
+        if has_read { read.push(u) } else { unread.push(u) }
+    }
+    Ok((read, unread))
+}
