@@ -79,6 +79,8 @@ pub enum Command {
     Read { user: UserId, conversation: ConversationId, seq: u64, from_device: Option<DeviceId> },
     Settings { user: UserId, conversation: ConversationId, patch: SettingsPatch },
     AdvanceCursor { user: UserId, device: DeviceId, chain: CursorChain, seq: u64 },
+    /// Changes nothing; answered once every command queued before it is committed.
+    Flush,
 }
 
 /// What a command answers once its changes are durable.

@@ -138,7 +138,7 @@ impl Engine {
                         n.messages.insert(*msg_id);
                     }
                 },
-                Command::UpsertUser { .. } | Command::Logout { .. } | Command::AdvanceCursor { .. } => {}
+                Command::UpsertUser { .. } | Command::Logout { .. } | Command::AdvanceCursor { .. } | Command::Flush => {}
             }
         }
         n
@@ -370,6 +370,7 @@ impl Engine {
                 ch.cursors.push((user, device, chain.key().to_owned(), seq));
                 Ok(Reply::Done)
             }
+            Command::Flush => Ok(Reply::Done),
         }
     }
 

@@ -1,1 +1,17 @@
-//! pigeon-server
+//! The Pigeon server: configuration, the write pipeline, the push hub, and the HTTP and
+//! WebSocket edges. Only this crate knows HTTP, WebSocket and the wire encodings; below it
+//! the domain and the stores see commands and rows.
+
+pub mod api;
+pub mod app;
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod hub;
+pub mod openapi;
+pub mod pipeline;
+pub mod server;
+pub mod ws;
+
+pub use config::{Config, ServeArgs};
+pub use server::{Running, start};

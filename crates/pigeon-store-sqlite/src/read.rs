@@ -334,11 +334,10 @@ pub fn unread(c: &Connection, user: UserId) -> rusqlite::Result<Vec<(Conversatio
     let mut out = Vec::new();
     for (id, last_read, seq, muted) in candidates {
         let n = unread_count(c, &id, last_read, seq, user)?;
-        if n > 0 {
-            if let Ok(conv) = ConversationId::parse(&id) {
+        if n > 0
+            && let Ok(conv) = ConversationId::parse(&id) {
                 out.push((conv, n, muted));
             }
-        }
     }
     Ok(out)
 }

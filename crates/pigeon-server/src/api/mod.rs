@@ -1,0 +1,143 @@
+//! The HTTP API of PROTOCOL.md section 6: the router, the extractors that authenticate and
+//! parse (turning every rejection into the protocol's error body), and one module per area.
+
+mod admin;
+mod conversations;
+mod groups;
+mod messages;
+mod ops;
+
+use crate::app::AppRef;
+use crate::auth::bearer;
+use crate::error::ApiError;
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::http::{StatusCode, header};
+use axum::routing::{get, post, put};
+use axum::Router;
+use pigeon_proto::{ErrorCode, UserId};
+use serde::de::DeserializeOwned;
+
+/// Largest HTTP body accepted (a content of 1 MiB plus its JSON envelope).
+pub const MAX_BODY_BYTES: usize = (1 << 20) + 64 * 1024;
+
+pub fn router(app: AppRef) -> Router {
+    Router::new()
+        .route("/healthz", get(ops::healthz))
+        .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics))
+        .route("/openapi.json", get(ops::openapi))
+        .route("/v1/ws", get(crate::ws::upgrade))
+        .route("/v1/admin/users", post(admin::upsert_user))
+        .route("/v1/admin/tokens", post(admin::mint_token))
+        .route("/v1/admin/users/{id}/logout", post(admin::logout))
+        .route("/v1/admin/messages/{msg_id}", get(admin::get_message).delete(admin::delete_message))
+        .route("/v1/messages", post(messages::send))
+        .route("/v1/messages/{msg_id}/recall", post(messages::recall))
+        .route("/v1/messages/{msg_id}", axum::routing::patch(messages::edit).delete(messages::hide))
+        .route("/v1/messages/{msg_id}/versions", get(messages::versions))
+        .route("/v1/conversations", get(conversations::list))
+        .route("/v1/conversations/{id}", get(conversations::one))
+        .route("/v1/conversations/{id}/messages", get(conversations::history))
+        .route("/v1/conversations/{id}/messages/range", get(conversations::range))
+        .route("/v1/conversations/{id}/read", post(conversations::read))
+        .route("/v1/conversations/{id}/receipts", get(conversations::receipts))
+        .route("/v1/conversations/{id}/settings", put(conversations::settings))
+        .route("/v1/unread", get(conversations::unread))
+        .route("/v1/sync", get(conversations::sync))
+        .route("/v1/groups", post(groups::create))
+        .route("/v1/groups/{id}", axum::routing::patch(groups::update).delete(groups::dismiss))
+        .route("/v1/groups/{id}/members", post(groups::invite).get(groups::members))
+        .route("/v1/groups/{id}/members/{uid}", axum::routing::delete(groups::remove))
+        .route("/v1/groups/{id}/admins/{uid}", put(groups::add_admin).delete(groups::remove_admin))
+        .route("/v1/groups/{id}/mutes", post(groups::mute))
+        .route("/v1/groups/{id}/mutes/{uid}", axum::routing::delete(groups::unmute))
+        .fallback(ops::not_found)
+        .method_not_allowed_fallback(ops::method_not_allowed)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(app)
+}
+
+/// The authenticated user of a request (`Authorization: Bearer <user token>`).
+pub struct AuthUser(pub UserId);
+
+impl FromRequestParts<AppRef> for AuthUser {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
+        let token = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(bearer)
+            .ok_or_else(ApiError::unauthorized)?;
+        app.authenticate(token).await.map(AuthUser)
+    }
+}
+
+/// A request made with the admin key.
+pub struct Admin;
+
+impl FromRequestParts<AppRef> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
+        let key = parts.headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
+        match key {
+            Some(k) if app.is_admin_key(k) => Ok(Admin),
+            _ => Err(ApiError::new(ErrorCode::Unauthorized, "admin key required")),
+        }
+    }
+}
+
+/// A JSON body whose rejections are protocol errors.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+            Err(JsonRejection::BytesRejection(e)) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(ApiError::new(ErrorCode::PayloadTooLarge, "request body too large"))
+            }
+            Err(e) => Err(ApiError::invalid(e.body_text())),
+        }
+    }
+}
+
+/// Query parameters whose rejections are protocol errors.
+pub struct ApiQuery<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(v)) => Ok(ApiQuery(v)),
+            Err(e) => Err(ApiError::invalid(query_error(e))),
+        }
+    }
+}
+
+fn query_error(e: QueryRejection) -> String {
+    e.body_text()
+}
+
+/// Parses a user id from a path segment.
+pub fn path_user(s: &str) -> Result<UserId, ApiError> {
+    let raw: u64 = s.parse().map_err(|_| ApiError::invalid("user id must be an integer"))?;
+    Ok(UserId::new(raw)?)
+}
+
+/// Parses a msg_id from a path segment.
+pub fn path_msg_id(s: &str) -> Result<pigeon_proto::MsgId, ApiError> {
+    Ok(pigeon_proto::MsgId::parse(s)?)
+}
+
+/// `{}`: the answer of a change that returns nothing else.
+pub fn empty() -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({}))
+}

@@ -1,0 +1,43 @@
+//! Operational endpoints: health, readiness, metrics, the OpenAPI description, fallbacks.
+
+use crate::app::AppRef;
+use crate::error::ApiError;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use pigeon_proto::ErrorCode;
+
+pub async fn healthz() -> impl IntoResponse {
+    axum::Json(serde_json::json!({"status": "ok"}))
+}
+
+pub async fn readyz(State(app): State<AppRef>) -> impl IntoResponse {
+    if app.is_draining() {
+        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "draining"})));
+    }
+    match app.store.meta_get("schema").await {
+        Ok(_) => (StatusCode::OK, axum::Json(serde_json::json!({"status": "ready"}))),
+        Err(e) => {
+            tracing::warn!(error = %e, "readiness check failed");
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "store unavailable"})))
+        }
+    }
+}
+
+pub async fn metrics(State(app): State<AppRef>) -> impl IntoResponse {
+    metrics::gauge!("pigeon_connections_open").set(app.hub.connection_count() as f64);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
+}
+
+pub async fn openapi() -> impl IntoResponse {
+    axum::Json(crate::openapi::document())
+}
+
+pub async fn not_found() -> ApiError {
+    ApiError::new(ErrorCode::NotFound, "no such endpoint")
+}
+
+pub async fn method_not_allowed() -> impl IntoResponse {
+    let body = ApiError::invalid("method not allowed on this endpoint").body();
+    (StatusCode::METHOD_NOT_ALLOWED, axum::Json(body))
+}

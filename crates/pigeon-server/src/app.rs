@@ -1,0 +1,171 @@
+//! The application state shared by the HTTP API and the WebSocket gateway, and the
+//! operations both of them offer (authentication, reads that check membership, sync, pull),
+//! so that the two edges cannot drift apart.
+
+use crate::auth::{Claims, TokenSigner, secrets_equal};
+use crate::config::Config;
+use crate::error::{ApiError, ApiResult};
+use crate::hub::Hub;
+use crate::pipeline::{Pipeline, now_ms};
+use pigeon_core::rules::{Limits, visible_range};
+use pigeon_core::store::{HistoryQuery, Membership, Store};
+use pigeon_proto::frames::{Chain, PullFrame, SyncFrame};
+use pigeon_proto::views::{ChainItem, ConversationView};
+use pigeon_proto::{ConversationId, DeviceId, ErrorCode, Message, UserId};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Most items a pull returns.
+pub const PULL_MAX: u64 = 200;
+pub const PULL_DEFAULT: u64 = 100;
+
+pub struct App {
+    pub cfg: Config,
+    pub store: Arc<dyn Store>,
+    pub pipeline: Pipeline,
+    pub hub: Arc<Hub>,
+    pub signer: TokenSigner,
+    pub admin_key: String,
+    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+    /// Set when shutdown begins: /readyz answers 503 and new connections are refused.
+    pub draining: AtomicBool,
+    /// Flips to true when shutdown begins; every connection task watches it.
+    pub shutdown: tokio::sync::watch::Sender<bool>,
+}
+
+pub type AppRef = Arc<App>;
+
+/// The result of a level-one sync.
+pub struct SyncSummary {
+    pub user_seq: u64,
+    pub cursor: u64,
+    pub conversations: Vec<pigeon_proto::frames::SyncConversation>,
+}
+
+impl App {
+    pub fn limits(&self) -> Limits {
+        Limits { max_content_bytes: self.cfg.max_content_bytes }
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// The user a token belongs to, if it is well-formed, signed, unexpired and not revoked.
+    pub async fn authenticate(&self, token: &str) -> ApiResult<UserId> {
+        let Claims { uid, exp, gen_ } = self.signer.verify(token).ok_or_else(ApiError::unauthorized)?;
+        if exp <= now_ms() {
+            return Err(ApiError::unauthorized());
+        }
+        match self.store.user(uid).await? {
+            Some(u) if u.token_gen == gen_ => Ok(uid),
+            _ => Err(ApiError::unauthorized()),
+        }
+    }
+
+    pub fn is_admin_key(&self, key: &str) -> bool {
+        secrets_equal(key, &self.admin_key)
+    }
+
+    /// The caller's membership of `conv` (current or ended); `not_member` when none.
+    pub async fn membership(&self, user: UserId, conv: &ConversationId) -> ApiResult<Membership> {
+        self.store.membership(conv, user).await?.ok_or_else(ApiError::not_member)
+    }
+
+    /// The seqs of `conv` the caller may read.
+    pub async fn readable_range(&self, user: UserId, conv: &ConversationId) -> ApiResult<(u64, u64)> {
+        let m = self.membership(user, conv).await?;
+        Ok(visible_range(m.joined_seq, m.left_seq, m.conversation_seq))
+    }
+
+    pub async fn history(&self, user: UserId, conv: &ConversationId, q: HistoryQuery) -> ApiResult<(Vec<Message>, bool)> {
+        let range = self.readable_range(user, conv).await?;
+        Ok(self.store.history(conv, user, range, q).await?)
+    }
+
+    /// One conversation as the caller sees it (hidden or not).
+    pub async fn conversation(&self, user: UserId, conv: &ConversationId) -> ApiResult<ConversationView> {
+        let mut list = self.store.conversations(user, Some(conv), None, 1, true).await?;
+        list.pop().ok_or_else(ApiError::not_member)
+    }
+
+    /// Level one of sync: the inbox head and the read fan-out groups that moved.
+    pub async fn sync(&self, user: UserId, device: &DeviceId, f: &SyncFrame) -> ApiResult<SyncSummary> {
+        let user_seq = self.store.inbox_head(user).await?;
+        let cursor = match f.user_seq {
+            Some(s) => s,
+            None => self.store.cursor(user, device.as_str(), "user").await?,
+        };
+        let given: HashMap<String, u64> = f.conversations.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        if given.len() > 10_000 {
+            return Err(ApiError::invalid("at most 10000 conversations in one sync"));
+        }
+        let conversations = self.store.read_fanout_changes(user, device.as_str(), &given).await?;
+        Ok(SyncSummary { user_seq, cursor, conversations })
+    }
+
+    /// Level two of sync: a complete, contiguous range of a chain, capped at [`PULL_MAX`].
+    pub async fn pull(&self, user: UserId, device: &DeviceId, f: &PullFrame) -> ApiResult<(Vec<ChainItem>, bool)> {
+        let limit = f.limit.unwrap_or(PULL_DEFAULT);
+        if limit == 0 {
+            return Err(ApiError::invalid("limit must be at least 1"));
+        }
+        let limit = limit.min(PULL_MAX) as u32;
+        match f.chain {
+            Chain::User => {
+                if f.conversation_id.is_some() {
+                    return Err(ApiError::invalid("chain user takes no conversation_id"));
+                }
+                let from = match f.from {
+                    Some(v) => v,
+                    None => self.store.cursor(user, device.as_str(), "user").await? + 1,
+                };
+                let to = match f.to {
+                    Some(v) => v,
+                    None => self.store.inbox_head(user).await?,
+                };
+                Ok(self.store.pull_inbox(user, from.max(1), to, limit).await?)
+            }
+            Chain::Conversation => {
+                let conv = f.conversation_id.as_ref().ok_or_else(|| ApiError::invalid("chain conversation needs conversation_id"))?;
+                let (lo, hi) = self.readable_range(user, conv).await?;
+                let from = match f.from {
+                    Some(v) => v,
+                    None => self.store.cursor(user, device.as_str(), conv.as_str()).await? + 1,
+                };
+                let to = f.to.unwrap_or(hi).min(hi);
+                let from = from.max(lo);
+                if from > to {
+                    return Ok((Vec::new(), false));
+                }
+                let q = HistoryQuery {
+                    anchor: pigeon_core::store::HistoryAnchor::After(from - 1),
+                    limit,
+                    from_time: None,
+                    to_time: None,
+                };
+                let (msgs, has_more) = self.store.history(conv, user, (from, to), q).await?;
+                Ok((msgs.into_iter().map(|m| ChainItem { seq: m.seq, message: m }).collect(), has_more))
+            }
+        }
+    }
+
+    /// Relays a typing notice to the other members' online devices; stores nothing.
+    pub async fn typing(&self, user: UserId, conv: &ConversationId) -> ApiResult<()> {
+        let m = self.membership(user, conv).await?;
+        if m.left_seq.is_some() {
+            return Err(ApiError::not_member());
+        }
+        let members = self.store.members(conv, None, 2000).await?;
+        let others: Vec<UserId> = members.iter().map(|m| m.user_id).filter(|u| *u != user).collect();
+        let frame = pigeon_proto::frames::ServerFrame::Typing { conversation_id: conv.clone(), user_id: user }.to_json();
+        self.hub.send_to_users(&others, &frame, None);
+        Ok(())
+    }
+}
+
+/// Parses a conversation id from a path or field, as `invalid_argument` when malformed.
+pub fn parse_conversation(s: &str) -> ApiResult<ConversationId> {
+    ConversationId::parse(s).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.0))
+}

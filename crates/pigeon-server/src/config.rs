@@ -1,0 +1,218 @@
+//! Settings of `pigeon serve`: each one a flag, a `PIGEON_*` environment variable or a key of
+//! the TOML file given with `--config`; flags win over the environment, which wins over the
+//! file, which wins over the defaults.
+
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// How commits reach the disk (`--durability`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DurabilityMode {
+    /// fsync every group commit: acknowledged messages survive power loss.
+    Fsync,
+    /// Leave flushing to the OS: survives a crash of the process, not of the machine.
+    Os,
+}
+
+/// The command-line and environment layer. Every field is optional so that the file and the
+/// defaults can fill what is not given.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// TOML file with any of the settings below (keys as the flags, with `_` or `-`).
+    #[arg(long, env = "PIGEON_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// HTTP + WebSocket address [default: 127.0.0.1:8080]
+    #[arg(long, env = "PIGEON_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Where the embedded store lives [default: ./data]
+    #[arg(long, env = "PIGEON_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Secret for the admin API [default: generated once, printed, kept in the data dir]
+    #[arg(long, env = "PIGEON_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
+    /// Groups with more members use read fan-out [default: 500]
+    #[arg(long, env = "PIGEON_FANOUT_WRITE_MAX_MEMBERS")]
+    pub fanout_write_max_members: Option<u64>,
+    /// How long a sender may recall [default: 120]
+    #[arg(long, env = "PIGEON_RECALL_WINDOW_SECS")]
+    pub recall_window_secs: Option<u64>,
+    /// How long a sender may edit [default: 86400]
+    #[arg(long, env = "PIGEON_EDIT_WINDOW_SECS")]
+    pub edit_window_secs: Option<u64>,
+    /// Resend an unacknowledged push after this [default: 3000]
+    #[arg(long, env = "PIGEON_PUSH_RETRY_MS")]
+    pub push_retry_ms: Option<u64>,
+    /// Larger content gets payload_too_large [default: 65536]
+    #[arg(long, env = "PIGEON_MAX_CONTENT_BYTES")]
+    pub max_content_bytes: Option<usize>,
+    /// Heartbeat announced in hello; a connection silent for two is closed [default: 30000]
+    #[arg(long, env = "PIGEON_HEARTBEAT_MS")]
+    pub heartbeat_ms: Option<u64>,
+    /// fsync (default) or os
+    #[arg(long, env = "PIGEON_DURABILITY", value_enum)]
+    pub durability: Option<DurabilityMode>,
+    /// Most WebSocket connections held at once [default: 100000]
+    #[arg(long, env = "PIGEON_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Longest token lifetime the admin API mints, in seconds [default: 2592000]
+    #[arg(long, env = "PIGEON_MAX_TOKEN_TTL_SECS")]
+    pub max_token_ttl_secs: Option<u64>,
+}
+
+/// The file layer: the same keys, all optional.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(alias = "listen")]
+    listen: Option<SocketAddr>,
+    #[serde(alias = "data-dir")]
+    data_dir: Option<PathBuf>,
+    #[serde(alias = "admin-key")]
+    admin_key: Option<String>,
+    #[serde(alias = "fanout-write-max-members")]
+    fanout_write_max_members: Option<u64>,
+    #[serde(alias = "recall-window-secs")]
+    recall_window_secs: Option<u64>,
+    #[serde(alias = "edit-window-secs")]
+    edit_window_secs: Option<u64>,
+    #[serde(alias = "push-retry-ms")]
+    push_retry_ms: Option<u64>,
+    #[serde(alias = "max-content-bytes")]
+    max_content_bytes: Option<usize>,
+    #[serde(alias = "heartbeat-ms")]
+    heartbeat_ms: Option<u64>,
+    durability: Option<DurabilityMode>,
+    #[serde(alias = "max-connections")]
+    max_connections: Option<usize>,
+    #[serde(alias = "max-token-ttl-secs")]
+    max_token_ttl_secs: Option<u64>,
+}
+
+/// The settings in force.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    pub admin_key: Option<String>,
+    pub fanout_write_max_members: u64,
+    pub recall_window_secs: u64,
+    pub edit_window_secs: u64,
+    pub push_retry_ms: u64,
+    pub max_content_bytes: usize,
+    pub heartbeat_ms: u64,
+    pub durability: DurabilityMode,
+    pub max_connections: usize,
+    pub max_token_ttl_secs: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            data_dir: PathBuf::from("./data"),
+            admin_key: None,
+            fanout_write_max_members: 500,
+            recall_window_secs: 120,
+            edit_window_secs: 86_400,
+            push_retry_ms: 3_000,
+            max_content_bytes: 65_536,
+            heartbeat_ms: 30_000,
+            durability: DurabilityMode::Fsync,
+            max_connections: 100_000,
+            max_token_ttl_secs: 30 * 86_400,
+        }
+    }
+}
+
+/// A setting that cannot be used, said plainly.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path}: {source}")]
+    Parse { path: PathBuf, source: toml::de::Error },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Merges flags/env over the file over the defaults, then checks the result.
+    pub fn resolve(args: &ServeArgs) -> Result<Config, ConfigError> {
+        let file = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
+                toml::from_str::<FileConfig>(&text).map_err(|source| ConfigError::Parse { path: path.clone(), source })?
+            }
+            None => FileConfig::default(),
+        };
+        let d = Config::default();
+        let cfg = Config {
+            listen: args.listen.or(file.listen).unwrap_or(d.listen),
+            data_dir: args.data_dir.clone().or(file.data_dir).unwrap_or(d.data_dir),
+            admin_key: args.admin_key.clone().or(file.admin_key),
+            fanout_write_max_members: args.fanout_write_max_members.or(file.fanout_write_max_members).unwrap_or(d.fanout_write_max_members),
+            recall_window_secs: args.recall_window_secs.or(file.recall_window_secs).unwrap_or(d.recall_window_secs),
+            edit_window_secs: args.edit_window_secs.or(file.edit_window_secs).unwrap_or(d.edit_window_secs),
+            push_retry_ms: args.push_retry_ms.or(file.push_retry_ms).unwrap_or(d.push_retry_ms),
+            max_content_bytes: args.max_content_bytes.or(file.max_content_bytes).unwrap_or(d.max_content_bytes),
+            heartbeat_ms: args.heartbeat_ms.or(file.heartbeat_ms).unwrap_or(d.heartbeat_ms),
+            durability: args.durability.or(file.durability).unwrap_or(d.durability),
+            max_connections: args.max_connections.or(file.max_connections).unwrap_or(d.max_connections),
+            max_token_ttl_secs: args.max_token_ttl_secs.or(file.max_token_ttl_secs).unwrap_or(d.max_token_ttl_secs),
+        };
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        let invalid = |m: &str| Err(ConfigError::Invalid(m.to_owned()));
+        if let Some(k) = &self.admin_key
+            && k.len() < 16 {
+                return invalid("admin-key must be at least 16 characters");
+            }
+        if self.max_content_bytes == 0 || self.max_content_bytes > 1 << 20 {
+            return invalid("max-content-bytes must be 1..=1048576 (a frame is at most 1 MiB)");
+        }
+        if self.push_retry_ms < 10 {
+            return invalid("push-retry-ms must be at least 10");
+        }
+        if self.heartbeat_ms < 100 {
+            return invalid("heartbeat-ms must be at least 100");
+        }
+        if self.max_connections == 0 {
+            return invalid("max-connections must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_win_over_the_file_which_wins_over_defaults() {
+        let dir = std::env::temp_dir().join(format!("pigeon-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.toml");
+        std::fs::write(&path, "recall-window-secs = 5\npush_retry_ms = 700\n").unwrap();
+        let args = ServeArgs { config: Some(path), push_retry_ms: Some(900), ..Default::default() };
+        let cfg = Config::resolve(&args).unwrap();
+        assert_eq!(cfg.recall_window_secs, 5);
+        assert_eq!(cfg.push_retry_ms, 900);
+        assert_eq!(cfg.edit_window_secs, 86_400);
+    }
+
+    #[test]
+    fn unknown_file_keys_and_bad_values_are_refused() {
+        let dir = std::env::temp_dir().join(format!("pigeon-cfg2-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.toml");
+        std::fs::write(&path, "recal_window = 5\n").unwrap();
+        assert!(Config::resolve(&ServeArgs { config: Some(path), ..Default::default() }).is_err());
+        let args = ServeArgs { admin_key: Some("short".into()), ..Default::default() };
+        assert!(Config::resolve(&args).is_err());
+    }
+}

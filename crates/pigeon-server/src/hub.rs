@@ -1,0 +1,224 @@
+//! The push hub: which devices of which users are connected to this node, and the delivery
+//! of frames to them. Every connection has a bounded outbox; a connection whose outbox is
+//! full is told to close (its client will reconnect and pull), so a slow reader never makes
+//! the server hold more memory.
+
+use pigeon_core::changes::Event;
+use pigeon_proto::frames::{ServerFrame, msg_frame};
+use pigeon_proto::{ConversationId, DeviceId, UserId};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use tokio::sync::{Notify, mpsc};
+
+/// Frames a connection's outbox may hold before the connection counts as too slow.
+pub const OUTBOX_CAPACITY: usize = 4096;
+
+/// What is queued for a connection.
+#[derive(Debug)]
+pub enum Outgoing {
+    /// A frame sent once.
+    Frame(String),
+    /// A message push, kept until acknowledged and resent if it is not.
+    Push { chain: PushChain, frame: String },
+}
+
+/// The chain position a push is acknowledged by.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PushChain {
+    Inbox(u64),
+    Conversation(ConversationId, u64),
+}
+
+/// The sending side of one connection.
+#[derive(Clone)]
+pub struct Outbox {
+    tx: mpsc::Sender<Outgoing>,
+    /// Notified when the connection must close (too slow, logged out).
+    pub kill: Arc<Notify>,
+    pub kill_reason: Arc<Mutex<Option<KillReason>>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KillReason {
+    TooSlow,
+    TokenRevoked,
+}
+
+impl Outbox {
+    pub fn new() -> (Outbox, mpsc::Receiver<Outgoing>) {
+        let (tx, rx) = mpsc::channel(OUTBOX_CAPACITY);
+        (Outbox { tx, kill: Arc::new(Notify::new()), kill_reason: Arc::new(Mutex::new(None)) }, rx)
+    }
+
+    /// Queues without waiting; a full outbox closes the connection.
+    pub fn send(&self, out: Outgoing) {
+        if self.tx.try_send(out).is_err() {
+            self.close(KillReason::TooSlow);
+        }
+    }
+
+    pub fn close(&self, reason: KillReason) {
+        let mut r = self.kill_reason.lock().expect("kill reason lock");
+        if r.is_none() {
+            *r = Some(reason);
+        }
+        self.kill.notify_one();
+    }
+}
+
+struct Conn {
+    id: u64,
+    device: DeviceId,
+    outbox: Outbox,
+}
+
+const SHARDS: usize = 32;
+
+/// Connected devices by user, sharded to keep lock hold times short.
+pub struct Hub {
+    shards: Vec<RwLock<HashMap<UserId, Vec<Conn>>>>,
+    next_id: AtomicU64,
+    connections: AtomicUsize,
+    waiters: Mutex<HashMap<UserId, Arc<Notify>>>,
+    /// Long polls in progress; when none, publishing skips the waiters lock.
+    waiting: AtomicUsize,
+}
+
+impl Default for Hub {
+    fn default() -> Self {
+        Hub {
+            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+            next_id: AtomicU64::new(1),
+            connections: AtomicUsize::new(0),
+            waiters: Mutex::new(HashMap::new()),
+            waiting: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// Removes its connection from the hub when dropped.
+pub struct Registration {
+    hub: Arc<Hub>,
+    user: UserId,
+    id: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut shard = self.hub.shard(self.user).write().expect("hub shard lock");
+        if let Some(conns) = shard.get_mut(&self.user) {
+            conns.retain(|c| c.id != self.id);
+            if conns.is_empty() {
+                shard.remove(&self.user);
+            }
+        }
+        self.hub.connections.fetch_sub(1, Ordering::Relaxed);
+        metrics::gauge!("pigeon_connections").decrement(1.0);
+    }
+}
+
+impl Hub {
+    fn shard(&self, user: UserId) -> &RwLock<HashMap<UserId, Vec<Conn>>> {
+        &self.shards[(user.get() as usize) % SHARDS]
+    }
+
+    pub fn connection_count(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    pub fn register(self: &Arc<Self>, user: UserId, device: DeviceId, outbox: Outbox) -> Registration {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.shard(user).write().expect("hub shard lock").entry(user).or_default().push(Conn { id, device, outbox });
+        self.connections.fetch_add(1, Ordering::Relaxed);
+        metrics::gauge!("pigeon_connections").increment(1.0);
+        Registration { hub: self.clone(), user, id }
+    }
+
+    pub fn is_online(&self, user: UserId) -> bool {
+        self.shard(user).read().expect("hub shard lock").contains_key(&user)
+    }
+
+    /// Calls `f` with each connected device of `user`.
+    fn each(&self, user: UserId, mut f: impl FnMut(&Conn)) {
+        if let Some(conns) = self.shard(user).read().expect("hub shard lock").get(&user) {
+            conns.iter().for_each(&mut f);
+        }
+    }
+
+    /// Sends `frame` to every device of each user, except `except_device` of `except_user`.
+    pub fn send_to_users(&self, users: &[UserId], frame: &str, except: Option<(UserId, &DeviceId)>) {
+        for u in users {
+            self.each(*u, |c| {
+                if except.is_some_and(|(eu, ed)| eu == *u && *ed == c.device) {
+                    return;
+                }
+                c.outbox.send(Outgoing::Frame(frame.to_owned()));
+            });
+        }
+    }
+
+    /// Delivers what a committed batch announced.
+    pub fn publish(&self, events: Vec<Event>) {
+        for ev in events {
+            match ev {
+                Event::Message { message, recipients } => {
+                    let json = serde_json::to_string(&*message).expect("messages serialise");
+                    let conv = ConversationId::parse(&message.conversation_id).ok();
+                    for (user, user_seq) in recipients {
+                        self.wake(user);
+                        let chain = match (user_seq, &conv) {
+                            (Some(us), _) => PushChain::Inbox(us),
+                            (None, Some(c)) => PushChain::Conversation(c.clone(), message.seq),
+                            (None, None) => continue,
+                        };
+                        let frame = msg_frame(&json, user_seq);
+                        self.each(user, |c| c.outbox.send(Outgoing::Push { chain: chain.clone(), frame: frame.clone() }));
+                    }
+                    metrics::counter!("pigeon_messages_pushed_total").increment(1);
+                }
+                Event::Receipt { conversation, user, last_read_seq, to, except_device } => {
+                    let frame = ServerFrame::Receipt { conversation_id: conversation, user_id: user, last_read_seq }.to_json();
+                    self.send_to_users(&to, &frame, except_device.as_ref().map(|d| (user, d)));
+                }
+                Event::SettingsChanged { user, conversation, pinned, muted, hidden } => {
+                    let frame = ServerFrame::ConversationUpdated { conversation_id: conversation, pinned, muted, hidden }.to_json();
+                    self.send_to_users(&[user], &frame, None);
+                }
+                Event::LoggedOut { user } => {
+                    let frame = ServerFrame::Kicked { reason: "token_revoked".into() }.to_json();
+                    self.each(user, |c| {
+                        c.outbox.send(Outgoing::Frame(frame.clone()));
+                        c.outbox.close(KillReason::TokenRevoked);
+                    });
+                }
+                Event::InboxAdvanced { user, .. } => self.wake(user),
+            }
+        }
+    }
+
+    /// The notifier a long poll of `user` waits on.
+    pub fn waiter(&self, user: UserId) -> Arc<Notify> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        self.waiters.lock().expect("waiters lock").entry(user).or_default().clone()
+    }
+
+    /// Drops `user`'s notifier when no long poll holds it any more.
+    pub fn release_waiter(&self, user: UserId, n: Arc<Notify>) {
+        let mut w = self.waiters.lock().expect("waiters lock");
+        drop(n);
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        if w.get(&user).is_some_and(|n| Arc::strong_count(n) == 1) {
+            w.remove(&user);
+        }
+    }
+
+    fn wake(&self, user: UserId) {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        if let Some(n) = self.waiters.lock().expect("waiters lock").get(&user) {
+            n.notify_waiters();
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! The write pipeline: one task that takes commands in batches, lets the engine decide them,
+//! commits each batch in one transaction (group commit: one fsync for the whole batch), and
+//! only then answers and pushes. In the embedded mode this one task owns every partition,
+//! because SQLite has one writer; `seq` and `user_seq` therefore have exactly one owner.
+
+use crate::hub::{Hub, Outbox, Outgoing};
+use pigeon_core::changes::{Changes, Event};
+use pigeon_core::command::{Command, Reply};
+use pigeon_core::engine::Engine;
+use pigeon_core::error::DomainError;
+use pigeon_core::store::Store;
+use pigeon_proto::frames::ServerFrame;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot};
+
+/// Most commands decided and committed together.
+pub const MAX_BATCH: usize = 1024;
+/// Commands waiting for the pipeline before senders are told `unavailable`.
+pub const QUEUE_CAPACITY: usize = 16_384;
+
+/// Why a command got no answer from the domain.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Domain(#[from] DomainError),
+    /// The store failed or the pipeline is gone; the same request is safe to retry.
+    #[error("the service is unavailable; retry")]
+    Unavailable,
+}
+
+/// Where a command's answer goes.
+pub enum ReplyTo {
+    /// A waiting HTTP request (or any caller).
+    Caller(oneshot::Sender<Result<Reply, PipelineError>>),
+    /// A WebSocket connection: the answer is queued on its outbox before any push of the same
+    /// batch, so a sender always sees its `send_ack` before the `msg` of its message.
+    Connection { outbox: Outbox, req: Option<i64> },
+    /// Nobody waits.
+    Nobody,
+}
+
+struct Envelope {
+    cmd: Command,
+    reply: ReplyTo,
+}
+
+/// The handle the API uses to submit commands.
+#[derive(Clone)]
+pub struct Pipeline {
+    tx: mpsc::Sender<Envelope>,
+}
+
+impl Pipeline {
+    /// Starts the pipeline task over `store` and the delivery task over `hub`.
+    pub fn start(store: Arc<dyn Store>, engine: Engine, hub: Arc<Hub>) -> (Pipeline, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
+        let (dtx, drx) = mpsc::channel(64);
+        tokio::spawn(deliver(drx, hub));
+        let handle = tokio::spawn(run(store, engine, rx, dtx));
+        (Pipeline { tx }, handle)
+    }
+
+    /// Submits and waits for the answer.
+    pub async fn call(&self, cmd: Command) -> Result<Reply, PipelineError> {
+        let (tx, rx) = oneshot::channel();
+        self.submit(cmd, ReplyTo::Caller(tx)).await?;
+        rx.await.map_err(|_| PipelineError::Unavailable)?
+    }
+
+    /// Queues a command; waits only while the queue is full.
+    pub async fn submit(&self, cmd: Command, reply: ReplyTo) -> Result<(), PipelineError> {
+        self.tx.send(Envelope { cmd, reply }).await.map_err(|_| PipelineError::Unavailable)
+    }
+}
+
+/// What the delivery task sends after a commit, in order.
+struct Delivery {
+    replies: Vec<(Outbox, String)>,
+    events: Vec<Event>,
+}
+
+async fn run(store: Arc<dyn Store>, mut engine: Engine, mut rx: mpsc::Receiver<Envelope>, delivery: mpsc::Sender<Delivery>) {
+    let mut batch: Vec<Envelope> = Vec::with_capacity(MAX_BATCH);
+    while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        let started = Instant::now();
+        let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) = batch.drain(..).map(|e| (e.cmd, e.reply)).unzip();
+        let n = cmds.len();
+        if let Err(e) = load(&*store, &mut engine, &cmds).await {
+            tracing::error!(error = %e, batch = n, "loading state failed; batch refused");
+            engine.reset();
+            answer_all_unavailable(replies);
+            continue;
+        }
+        let now = now_ms();
+        let mut changes = Changes::default();
+        let mut events = Vec::new();
+        let results: Vec<Result<Reply, DomainError>> =
+            cmds.into_iter().map(|cmd| engine.apply(cmd, now, &mut changes, &mut events)).collect();
+        engine.seal(&mut changes);
+        let messages = changes.messages.len();
+        let committed = if changes.is_empty() { Ok(()) } else { store.commit(changes).await };
+        if let Err(e) = committed {
+            tracing::error!(error = %e, batch = n, "commit failed; batch refused and state reloaded");
+            engine.reset();
+            answer_all_unavailable(replies);
+            continue;
+        }
+        engine.finish_batch();
+        metrics::histogram!("pigeon_batch_size").record(n as f64);
+        metrics::histogram!("pigeon_commit_seconds").record(started.elapsed().as_secs_f64());
+        metrics::counter!("pigeon_messages_stored_total").increment(messages as u64);
+        let mut conn_replies = Vec::new();
+        for (reply, result) in replies.into_iter().zip(results) {
+            match reply {
+                ReplyTo::Caller(tx) => {
+                    let _ = tx.send(result.map_err(PipelineError::from));
+                }
+                ReplyTo::Connection { outbox, req } => {
+                    if let Some(frame) = connection_reply(req, result) {
+                        conn_replies.push((outbox, frame));
+                    }
+                }
+                ReplyTo::Nobody => {}
+            }
+        }
+        if delivery.send(Delivery { replies: conn_replies, events }).await.is_err() {
+            tracing::error!("delivery task is gone");
+            return;
+        }
+    }
+}
+
+async fn load(store: &dyn Store, engine: &mut Engine, cmds: &[Command]) -> Result<(), pigeon_core::StoreError> {
+    // A recall needs its message before its conversation: at most a few rounds.
+    for _ in 0..4 {
+        let needs = engine.needs(cmds);
+        if needs.is_empty() {
+            return Ok(());
+        }
+        let loaded = store.load(needs.clone()).await?;
+        engine.absorb(loaded, &needs);
+    }
+    Ok(())
+}
+
+fn answer_all_unavailable(replies: Vec<ReplyTo>) {
+    for r in replies {
+        match r {
+            ReplyTo::Caller(tx) => {
+                let _ = tx.send(Err(PipelineError::Unavailable));
+            }
+            ReplyTo::Connection { outbox, req } => {
+                outbox.send(Outgoing::Frame(error_frame(req, &PipelineError::Unavailable)));
+            }
+            ReplyTo::Nobody => {}
+        }
+    }
+}
+
+/// The frame a connection gets for a command it sent: `send_ack` or an error; nothing for
+/// commands whose success has no reply frame (read, ack).
+fn connection_reply(req: Option<i64>, result: Result<Reply, DomainError>) -> Option<String> {
+    match result {
+        Ok(Reply::SendAck(ack)) => Some(ServerFrame::SendAck { req, ack }.to_json()),
+        Ok(_) => None,
+        Err(e) => Some(error_frame(req, &PipelineError::Domain(e))),
+    }
+}
+
+pub fn error_frame(req: Option<i64>, e: &PipelineError) -> String {
+    let (code, message) = match e {
+        PipelineError::Domain(d) => (d.code(), d.to_string()),
+        PipelineError::Unavailable => (pigeon_proto::ErrorCode::Unavailable, e.to_string()),
+    };
+    ServerFrame::Error { req, code, message, retry_after_ms: None }.to_json()
+}
+
+async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
+    while let Some(d) = rx.recv().await {
+        for (outbox, frame) in d.replies {
+            outbox.send(Outgoing::Frame(frame));
+        }
+        hub.publish(d.events);
+    }
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}

@@ -1,0 +1,465 @@
+//! The WebSocket gateway (PROTOCOL.md section 5): authenticates the upgrade, then runs one
+//! task per connection that reads frames in order, writes what the outbox holds (coalesced
+//! into one flush), keeps pushes until they are acknowledged and resends them, and records the
+//! device's acknowledged position (its sync cursor).
+
+use crate::app::AppRef;
+use crate::auth::bearer;
+use crate::error::ApiError;
+use crate::hub::{KillReason, Outbox, Outgoing, PushChain};
+use crate::pipeline::{ReplyTo, now_ms};
+use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::{SinkExt, StreamExt};
+use pigeon_core::command::{Command, CursorChain};
+use pigeon_core::rules::validate_send;
+use pigeon_proto::frames::{AckFrame, ClientFrame, ServerFrame};
+use pigeon_proto::{ConversationId, DeviceId, ErrorCode, UserId};
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+/// Frames larger than this get `payload_too_large`.
+pub const MAX_FRAME_BYTES: usize = 1 << 20;
+/// Frames larger than this are not read at all: the connection is closed with 1009.
+const MAX_READ_BYTES: usize = 2 << 20;
+/// Pushes kept for resending per connection; past this the oldest are left to pull.
+const MAX_UNACKED: usize = 8192;
+/// Sends of one push before leaving it to the client's pull.
+const MAX_PUSH_TRIES: u8 = 4;
+/// Bad frames tolerated per window before the connection is closed with 1008.
+const BAD_FRAMES_PER_WINDOW: u32 = 20;
+const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
+/// Frames written before one flush.
+const COALESCE_MAX: usize = 256;
+const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
+
+#[derive(Deserialize)]
+pub struct WsParams {
+    device_id: Option<String>,
+    platform: Option<String>,
+    token: Option<String>,
+}
+
+pub async fn upgrade(
+    State(app): State<AppRef>,
+    headers: HeaderMap,
+    params: Result<Query<WsParams>, axum::extract::rejection::QueryRejection>,
+    ws: WebSocketUpgrade,
+) -> Response {
+    match authorize(&app, &headers, params).await {
+        Ok((user, device)) => ws
+            .protocols(["pigeon.v1.json"])
+            .read_buffer_size(4096)
+            .write_buffer_size(0)
+            .max_message_size(MAX_READ_BYTES)
+            .max_frame_size(MAX_READ_BYTES)
+            .on_upgrade(move |socket| run(app, user, device, socket)),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn authorize(
+    app: &AppRef,
+    headers: &HeaderMap,
+    params: Result<Query<WsParams>, axum::extract::rejection::QueryRejection>,
+) -> Result<(UserId, DeviceId), ApiError> {
+    if app.is_draining() {
+        return Err(ApiError::new(ErrorCode::Unavailable, "server is shutting down"));
+    }
+    let Query(p) = params.map_err(|e| ApiError::invalid(e.body_text()))?;
+    let header_token = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
+    let token = header_token.or(p.token.as_deref()).ok_or_else(ApiError::unauthorized)?;
+    let user = app.authenticate(token).await?;
+    let device = DeviceId::parse(p.device_id.as_deref().unwrap_or("")).map_err(|e| ApiError::invalid(e.0))?;
+    if let Some(pl) = p.platform.as_deref()
+        && !matches!(pl, "ios" | "android" | "web" | "desktop") {
+            return Err(ApiError::invalid("platform must be ios, android, web or desktop"));
+        }
+    if app.hub.connection_count() >= app.cfg.max_connections {
+        return Err(ApiError::new(ErrorCode::Unavailable, "too many connections; retry later"));
+    }
+    Ok((user, device))
+}
+
+struct Pending {
+    frame: String,
+    sent_at: Instant,
+    tries: u8,
+}
+
+/// How the connection loop ends: with a close frame, or because the peer is gone.
+enum Stop {
+    Close(u16, &'static str),
+    Gone,
+}
+
+/// The state of one connection, owned by its task.
+struct Connection {
+    app: AppRef,
+    user: UserId,
+    device: DeviceId,
+    outbox: Outbox,
+    unacked: BTreeMap<PushChain, Pending>,
+    cursors: HashMap<String, u64>,
+    cursors_dirty: bool,
+    last_cursor_flush: Instant,
+    last_seen: Instant,
+    bad_frames: u32,
+    bad_window_start: Instant,
+    typing_last: HashMap<ConversationId, Instant>,
+}
+
+async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
+    let (outbox, mut out_rx) = Outbox::new();
+    let _registration = app.hub.register(user, device.clone(), outbox.clone());
+    let mut shutdown = app.shutdown.subscribe();
+    let (mut sink, mut stream) = socket.split();
+    let now = Instant::now();
+    let mut conn = Connection {
+        app: app.clone(),
+        user,
+        device,
+        outbox,
+        unacked: BTreeMap::new(),
+        cursors: HashMap::new(),
+        cursors_dirty: false,
+        last_cursor_flush: now,
+        last_seen: now,
+        bad_frames: 0,
+        bad_window_start: now,
+        typing_last: HashMap::new(),
+    };
+    let head = match app.store.inbox_head(user).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, %user, "cannot read inbox head; closing");
+            let _ = sink.send(close(1011, "unavailable")).await;
+            return;
+        }
+    };
+    let hello = ServerFrame::Hello {
+        user_id: user,
+        device_id: conn.device.clone(),
+        server_time: now_ms(),
+        heartbeat_ms: app.cfg.heartbeat_ms,
+        user_seq: head,
+    };
+    if sink.send(WsMessage::Text(hello.to_json().into())).await.is_err() {
+        return;
+    }
+    let heartbeat = Duration::from_millis(app.cfg.heartbeat_ms);
+    let retry = Duration::from_millis(app.cfg.push_retry_ms);
+    let tick_every = (retry / 4).clamp(Duration::from_millis(10), Duration::from_millis(1000));
+    let mut tick = tokio::time::interval(tick_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let kill = conn.outbox.kill.clone();
+    let stop = loop {
+        tokio::select! {
+            biased;
+            _ = kill.notified() => {
+                // Write what is queued (a `kicked` frame) before closing.
+                while let Ok(out) = out_rx.try_recv() {
+                    if let Some(frame) = conn.frame_to_write(out) {
+                        let _ = sink.feed(WsMessage::Text(frame.into())).await;
+                    }
+                }
+                let reason = *conn.outbox.kill_reason.lock().expect("kill reason lock");
+                break match reason {
+                    Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
+                    _ => Stop::Close(1013, "too slow; reconnect and sync"),
+                };
+            }
+            _ = shutdown.changed() => break Stop::Close(1001, "server shutting down"),
+            Some(out) = out_rx.recv() => {
+                let mut n = 0;
+                let mut next = Some(out);
+                let mut failed = false;
+                while let Some(out) = next.take() {
+                    if let Some(frame) = conn.frame_to_write(out)
+                        && sink.feed(WsMessage::Text(frame.into())).await.is_err() {
+                            failed = true;
+                            break;
+                        }
+                    n += 1;
+                    if n < COALESCE_MAX {
+                        next = out_rx.try_recv().ok();
+                    }
+                }
+                if failed || sink.flush().await.is_err() {
+                    break Stop::Gone;
+                }
+            }
+            incoming = stream.next() => {
+                let msg = match incoming {
+                    None => break Stop::Gone,
+                    Some(Err(e)) => {
+                        if is_too_big(&e) {
+                            break Stop::Close(1009, "frame too large");
+                        }
+                        break Stop::Gone;
+                    }
+                    Some(Ok(m)) => m,
+                };
+                conn.last_seen = Instant::now();
+                let replies = match msg {
+                    WsMessage::Text(t) => conn.handle_text(t.as_str()).await,
+                    WsMessage::Binary(_) => conn.bad_frame(None, "binary frames are not part of pigeon.v1.json"),
+                    WsMessage::Ping(_) | WsMessage::Pong(_) => Vec::new(),
+                    WsMessage::Close(_) => break Stop::Gone,
+                };
+                if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
+                    for r in replies {
+                        let _ = sink.feed(WsMessage::Text(r.into())).await;
+                    }
+                    break Stop::Close(1008, "too many bad frames");
+                }
+                let mut ok = true;
+                for r in replies {
+                    if sink.feed(WsMessage::Text(r.into())).await.is_err() {
+                        ok = false;
+                        break;
+                    }
+                }
+                if !ok || sink.flush().await.is_err() {
+                    break Stop::Gone;
+                }
+            }
+            _ = tick.tick() => {
+                if conn.last_seen.elapsed() > heartbeat * 2 {
+                    break Stop::Close(1001, "heartbeat timeout");
+                }
+                let resend = conn.due_resends(retry);
+                let mut ok = true;
+                for frame in resend {
+                    if sink.feed(WsMessage::Text(frame.into())).await.is_err() {
+                        ok = false;
+                        break;
+                    }
+                }
+                if !ok || sink.flush().await.is_err() {
+                    break Stop::Gone;
+                }
+                if conn.cursors_dirty && conn.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY {
+                    conn.flush_cursors(false).await;
+                }
+            }
+        }
+    };
+    if let Stop::Close(code, reason) = stop {
+        let _ = sink.send(close(code, reason)).await;
+    }
+    conn.flush_cursors(true).await;
+}
+
+fn close(code: u16, reason: &'static str) -> WsMessage {
+    WsMessage::Close(Some(CloseFrame { code, reason: reason.into() }))
+}
+
+fn is_too_big(e: &axum::Error) -> bool {
+    let text = e.to_string();
+    text.contains("too long") || text.contains("too big") || text.contains("Space limit") || text.contains("capacity")
+}
+
+impl Connection {
+    /// The text to write for an outbox entry; pushes are remembered until acknowledged.
+    fn frame_to_write(&mut self, out: Outgoing) -> Option<String> {
+        match out {
+            Outgoing::Frame(f) => Some(f),
+            Outgoing::Push { chain, frame } => {
+                if self.unacked.len() >= MAX_UNACKED {
+                    self.unacked.pop_first();
+                }
+                self.unacked.insert(chain, Pending { frame: frame.clone(), sent_at: Instant::now(), tries: 1 });
+                Some(frame)
+            }
+        }
+    }
+
+    /// Pushes unacknowledged for longer than `retry`, to send again; those tried enough are
+    /// dropped (the client finds the hole and pulls).
+    fn due_resends(&mut self, retry: Duration) -> Vec<String> {
+        let now = Instant::now();
+        let mut out = Vec::new();
+        self.unacked.retain(|_, p| {
+            if now.duration_since(p.sent_at) < retry {
+                return true;
+            }
+            if p.tries >= MAX_PUSH_TRIES {
+                return false;
+            }
+            p.tries += 1;
+            p.sent_at = now;
+            out.push(p.frame.clone());
+            true
+        });
+        if !out.is_empty() {
+            metrics::counter!("pigeon_push_resends_total").increment(out.len() as u64);
+        }
+        out
+    }
+
+    fn bad_frame(&mut self, req: Option<i64>, message: &str) -> Vec<String> {
+        if self.bad_window_start.elapsed() > BAD_FRAME_WINDOW {
+            self.bad_window_start = Instant::now();
+            self.bad_frames = 0;
+        }
+        self.bad_frames += 1;
+        vec![ApiError::invalid(message).frame(req)]
+    }
+
+    /// Handles one text frame; returns the frames to write at once, in order.
+    async fn handle_text(&mut self, text: &str) -> Vec<String> {
+        if text.len() > MAX_FRAME_BYTES {
+            return vec![ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(None)];
+        }
+        let value: serde_json::Value = match serde_json::from_str(text) {
+            Ok(v) => v,
+            Err(_) => return self.bad_frame(None, "frame is not valid JSON"),
+        };
+        let Some(obj) = value.as_object() else {
+            return self.bad_frame(None, "frame must be a JSON object");
+        };
+        let req = obj.get("req").and_then(|r| r.as_i64());
+        if obj.get("req").is_some_and(|r| !r.is_null() && r.as_i64().is_none()) {
+            return self.bad_frame(None, "req must be an integer");
+        }
+        match obj.get("type").and_then(|t| t.as_str()) {
+            None => return self.bad_frame(req, "frame needs a string type"),
+            Some(t) if !KNOWN_TYPES.contains(&t) => return self.bad_frame(req, &format!("unknown frame type {t:?}")),
+            _ => {}
+        }
+        let frame: ClientFrame = match serde_json::from_value(value) {
+            Ok(f) => f,
+            Err(e) => return self.bad_frame(req, &format!("bad frame: {e}")),
+        };
+        let result = self.dispatch(frame, req).await;
+        match result {
+            Ok(frames) => frames,
+            Err(e) => {
+                if e.code == ErrorCode::InvalidArgument {
+                    self.bad_frame(req, &e.message)
+                } else {
+                    vec![e.frame(req)]
+                }
+            }
+        }
+    }
+
+    async fn dispatch(&mut self, frame: ClientFrame, req: Option<i64>) -> Result<Vec<String>, ApiError> {
+        let app = self.app.clone();
+        match frame {
+            ClientFrame::Send(s) => {
+                let cmd = validate_send(self.user, s, app.limits())?;
+                let reply = ReplyTo::Connection { outbox: self.outbox.clone(), req };
+                app.pipeline.submit(Command::Send(cmd), reply).await?;
+                Ok(Vec::new())
+            }
+            ClientFrame::Ack(a) => {
+                self.ack(a)?;
+                Ok(Vec::new())
+            }
+            ClientFrame::Sync(f) => {
+                self.flush_cursors(true).await;
+                let s = app.sync(self.user, &self.device, &f).await?;
+                let frame = ServerFrame::SyncResult { req, user_seq: s.user_seq, cursor: s.cursor, conversations: s.conversations };
+                Ok(vec![frame.to_json()])
+            }
+            ClientFrame::Pull(f) => {
+                self.flush_cursors(true).await;
+                let (items, has_more) = app.pull(self.user, &self.device, &f).await?;
+                Ok(vec![ServerFrame::PullResult { req, items, has_more }.to_json()])
+            }
+            ClientFrame::Read(r) => {
+                let cmd = Command::Read { user: self.user, conversation: r.conversation_id, seq: r.seq, from_device: Some(self.device.clone()) };
+                app.pipeline.submit(cmd, ReplyTo::Connection { outbox: self.outbox.clone(), req }).await?;
+                Ok(Vec::new())
+            }
+            ClientFrame::Typing(t) => {
+                let now = Instant::now();
+                let recent = self.typing_last.get(&t.conversation_id).is_some_and(|at| now.duration_since(*at) < Duration::from_secs(1));
+                if !recent {
+                    if self.typing_last.len() > 256 {
+                        self.typing_last.clear();
+                    }
+                    self.typing_last.insert(t.conversation_id.clone(), now);
+                    app.typing(self.user, &t.conversation_id).await?;
+                }
+                Ok(Vec::new())
+            }
+            ClientFrame::Ping => Ok(vec![ServerFrame::Pong { req, server_time: now_ms() }.to_json()]),
+            ClientFrame::RoomJoin(_) | ClientFrame::RoomLeave(_) | ClientFrame::RoomSend(_) => {
+                Err(ApiError::new(ErrorCode::Unavailable, "live rooms are not enabled on this server"))
+            }
+        }
+    }
+
+    /// A cumulative acknowledgement: forget the pushes it covers, move the cursor forward.
+    fn ack(&mut self, a: AckFrame) -> Result<(), ApiError> {
+        let mut any = false;
+        if let Some(us) = a.user_seq {
+            self.unacked.retain(|k, _| !matches!(k, PushChain::Inbox(s) if *s <= us));
+            self.advance("user", us);
+            any = true;
+        }
+        match (a.conversation_id, a.seq) {
+            (Some(conv), Some(seq)) => {
+                self.unacked.retain(|k, _| !matches!(k, PushChain::Conversation(c, s) if *c == conv && *s <= seq));
+                self.advance(conv.as_str(), seq);
+                any = true;
+            }
+            (None, None) => {}
+            _ => return Err(ApiError::invalid("ack by conversation needs both conversation_id and seq")),
+        }
+        if !any {
+            return Err(ApiError::invalid("ack needs user_seq, or conversation_id and seq"));
+        }
+        Ok(())
+    }
+
+    fn advance(&mut self, chain: &str, seq: u64) {
+        let e = self.cursors.entry(chain.to_owned()).or_insert(0);
+        if seq > *e {
+            *e = seq;
+            self.cursors_dirty = true;
+        }
+        if self.cursors.len() > 4096 {
+            self.cursors_dirty = true;
+        }
+    }
+
+    /// Writes acknowledged positions to the store; `wait` when a read follows that must see them.
+    async fn flush_cursors(&mut self, wait: bool) {
+        if !self.cursors_dirty {
+            return;
+        }
+        self.cursors_dirty = false;
+        self.last_cursor_flush = Instant::now();
+        let mut cmds = Vec::with_capacity(self.cursors.len());
+        for (chain, seq) in self.cursors.drain() {
+            let chain = if chain == "user" {
+                CursorChain::Inbox
+            } else {
+                match ConversationId::parse(&chain) {
+                    Ok(c) => CursorChain::Conversation(c),
+                    Err(_) => continue,
+                }
+            };
+            cmds.push(Command::AdvanceCursor { user: self.user, device: self.device.clone(), chain, seq });
+        }
+        for cmd in cmds {
+            if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
+                tracing::warn!(error = %e, user = %self.user, "cursor not saved");
+            }
+        }
+        // The pipeline is FIFO: once the barrier is answered, the cursors are committed.
+        if wait
+            && let Err(e) = self.app.pipeline.call(Command::Flush).await {
+                tracing::warn!(error = %e, user = %self.user, "cursor flush not confirmed");
+            }
+    }
+}
+
+const KNOWN_TYPES: &[&str] = &["send", "ack", "sync", "pull", "read", "typing", "ping", "room_join", "room_leave", "room_send"];
