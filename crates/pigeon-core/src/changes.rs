@@ -117,7 +117,10 @@ pub type Recipient = (UserId, Option<u64>);
 #[derive(Debug, Clone)]
 pub enum Event {
     /// Push `message` to every connected device of each recipient.
-    Message { message: Arc<Message>, recipients: Vec<Recipient> },
+    Message {
+        message: Arc<Message>,
+        recipients: Vec<Recipient>,
+    },
     /// `user` has read `conversation` up to `last_read_seq`; tell `to` (other members and the
     /// reader's own devices, except `except_device`).
     Receipt {
@@ -128,7 +131,13 @@ pub enum Event {
         except_device: Option<DeviceId>,
     },
     /// A user's settings of a conversation changed: tell their devices.
-    SettingsChanged { user: UserId, conversation: ConversationId, pinned: bool, muted: bool, hidden: bool },
+    SettingsChanged {
+        user: UserId,
+        conversation: ConversationId,
+        pinned: bool,
+        muted: bool,
+        hidden: bool,
+    },
     /// The user's tokens were revoked: close their connections.
     LoggedOut { user: UserId },
     /// A user's inbox grew (wakes long polls); carries the new head.

@@ -58,27 +58,92 @@ pub struct SettingsPatch {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
-    UpsertUser { user: UserId, name: String, avatar: String },
-    Logout { user: UserId },
+    UpsertUser {
+        user: UserId,
+        name: String,
+        avatar: String,
+    },
+    Logout {
+        user: UserId,
+    },
     Send(SendCommand),
-    CreateGroup { owner: UserId, name: String, members: Vec<UserId> },
-    Invite { actor: UserId, conversation: ConversationId, users: Vec<UserId> },
+    CreateGroup {
+        owner: UserId,
+        name: String,
+        members: Vec<UserId>,
+    },
+    Invite {
+        actor: UserId,
+        conversation: ConversationId,
+        users: Vec<UserId>,
+    },
     /// Kick when `actor != user`, quit when they are the same.
-    RemoveMember { actor: UserId, conversation: ConversationId, user: UserId },
-    SetAdmin { actor: UserId, conversation: ConversationId, user: UserId, admin: bool },
-    Mute { actor: UserId, conversation: ConversationId, user: UserId, duration_secs: u64 },
-    Unmute { actor: UserId, conversation: ConversationId, user: UserId },
-    UpdateGroup { actor: UserId, conversation: ConversationId, patch: GroupPatch },
-    Dismiss { actor: UserId, conversation: ConversationId },
-    Recall { actor: UserId, msg_id: MsgId },
-    Edit { actor: UserId, msg_id: MsgId, content: String },
+    RemoveMember {
+        actor: UserId,
+        conversation: ConversationId,
+        user: UserId,
+    },
+    SetAdmin {
+        actor: UserId,
+        conversation: ConversationId,
+        user: UserId,
+        admin: bool,
+    },
+    Mute {
+        actor: UserId,
+        conversation: ConversationId,
+        user: UserId,
+        duration_secs: u64,
+    },
+    Unmute {
+        actor: UserId,
+        conversation: ConversationId,
+        user: UserId,
+    },
+    UpdateGroup {
+        actor: UserId,
+        conversation: ConversationId,
+        patch: GroupPatch,
+    },
+    Dismiss {
+        actor: UserId,
+        conversation: ConversationId,
+    },
+    Recall {
+        actor: UserId,
+        msg_id: MsgId,
+    },
+    Edit {
+        actor: UserId,
+        msg_id: MsgId,
+        content: String,
+    },
     /// Admin API: delete for everyone.
-    AdminDelete { msg_id: MsgId },
+    AdminDelete {
+        msg_id: MsgId,
+    },
     /// Delete for me.
-    HideMessage { user: UserId, msg_id: MsgId },
-    Read { user: UserId, conversation: ConversationId, seq: u64, from_device: Option<DeviceId> },
-    Settings { user: UserId, conversation: ConversationId, patch: SettingsPatch },
-    AdvanceCursor { user: UserId, device: DeviceId, chain: CursorChain, seq: u64 },
+    HideMessage {
+        user: UserId,
+        msg_id: MsgId,
+    },
+    Read {
+        user: UserId,
+        conversation: ConversationId,
+        seq: u64,
+        from_device: Option<DeviceId>,
+    },
+    Settings {
+        user: UserId,
+        conversation: ConversationId,
+        patch: SettingsPatch,
+    },
+    AdvanceCursor {
+        user: UserId,
+        device: DeviceId,
+        chain: CursorChain,
+        seq: u64,
+    },
     /// Changes nothing; answered once every command queued before it is committed.
     Flush,
 }

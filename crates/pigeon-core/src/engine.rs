@@ -3,7 +3,9 @@
 //! may run per partition. It never does I/O: the pipeline asks it what it [`Engine::needs`],
 //! loads that from the store, and [`Engine::absorb`]s it before applying a batch.
 
-use crate::changes::{Changes, ConversationRow, Event, InboxRow, MemberRow, MessageUpdate, Recipient};
+use crate::changes::{
+    Changes, ConversationRow, Event, InboxRow, MemberRow, MessageUpdate, Recipient,
+};
 use crate::command::{Command, Reply, SendCommand, SendTo};
 use crate::error::DomainError;
 use crate::rules::{self, outranks};
@@ -11,7 +13,9 @@ use crate::snowflake::Snowflake;
 use crate::state::{ConversationState, MemberState};
 use crate::store::{Loaded, Needs};
 use pigeon_proto::views::{Fanout, Role, SendAck};
-use pigeon_proto::{ClientMsgId, ConversationId, Message, MessageKind, MessageStatus, MsgId, UserId};
+use pigeon_proto::{
+    ClientMsgId, ConversationId, Message, MessageKind, MessageStatus, MsgId, UserId,
+};
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -113,7 +117,11 @@ impl Engine {
                     want_user(&mut n, *owner);
                     members.iter().for_each(|u| want_user(&mut n, *u));
                 }
-                Command::Invite { conversation, users, .. } => {
+                Command::Invite {
+                    conversation,
+                    users,
+                    ..
+                } => {
                     want_conv(&mut n, conversation);
                     users.iter().for_each(|u| want_user(&mut n, *u));
                 }
@@ -138,7 +146,10 @@ impl Engine {
                         n.messages.insert(*msg_id);
                     }
                 },
-                Command::UpsertUser { .. } | Command::Logout { .. } | Command::AdvanceCursor { .. } | Command::Flush => {}
+                Command::UpsertUser { .. }
+                | Command::Logout { .. }
+                | Command::AdvanceCursor { .. }
+                | Command::Flush => {}
             }
         }
         n
@@ -207,13 +218,21 @@ impl Engine {
         let write_max = self.cfg.fanout_write_max_members;
         for id in self.touched.drain() {
             if let Some(c) = self.conversations.get(&id) {
-                changes.conversations.push(ConversationRow::of(c, write_max));
+                changes
+                    .conversations
+                    .push(ConversationRow::of(c, write_max));
             }
         }
     }
 
     /// Applies one command. A refused command changes nothing.
-    pub fn apply(&mut self, cmd: Command, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+    pub fn apply(
+        &mut self,
+        cmd: Command,
+        now: i64,
+        ch: &mut Changes,
+        ev: &mut Vec<Event>,
+    ) -> Outcome {
         match cmd {
             Command::UpsertUser { user, name, avatar } => {
                 self.known_users.insert(user);
@@ -226,48 +245,116 @@ impl Engine {
                 Ok(Reply::Done)
             }
             Command::Send(s) => self.send(s, now, ch, ev),
-            Command::CreateGroup { owner, name, members } => self.create_group(owner, name, members, now, ch, ev),
-            Command::Invite { actor, conversation, users } => self.invite(actor, &conversation, users, now, ch, ev),
-            Command::RemoveMember { actor, conversation, user } => self.remove(actor, &conversation, user, now, ch, ev),
-            Command::SetAdmin { actor, conversation, user, admin } => {
+            Command::CreateGroup {
+                owner,
+                name,
+                members,
+            } => self.create_group(owner, name, members, now, ch, ev),
+            Command::Invite {
+                actor,
+                conversation,
+                users,
+            } => self.invite(actor, &conversation, users, now, ch, ev),
+            Command::RemoveMember {
+                actor,
+                conversation,
+                user,
+            } => self.remove(actor, &conversation, user, now, ch, ev),
+            Command::SetAdmin {
+                actor,
+                conversation,
+                user,
+                admin,
+            } => {
                 let conv = self.group_mut(&conversation)?;
                 let actor_role = role_of(conv, actor)?;
                 if actor_role != Role::Owner {
-                    return Err(DomainError::Forbidden("only the owner appoints admins".into()));
+                    return Err(DomainError::Forbidden(
+                        "only the owner appoints admins".into(),
+                    ));
                 }
-                let target = conv.members.get_mut(&user).ok_or(DomainError::NotFound("member"))?;
+                let target = conv
+                    .members
+                    .get_mut(&user)
+                    .ok_or(DomainError::NotFound("member"))?;
                 if target.role == Role::Owner {
-                    return Err(DomainError::Conflict("the owner's role cannot change".into()));
+                    return Err(DomainError::Conflict(
+                        "the owner's role cannot change".into(),
+                    ));
                 }
                 target.role = if admin { Role::Admin } else { Role::Member };
                 self.write_member(&conversation, user, None, ch);
                 self.touched.insert(conversation);
                 Ok(Reply::Done)
             }
-            Command::Mute { actor, conversation, user, duration_secs } => {
+            Command::Mute {
+                actor,
+                conversation,
+                user,
+                duration_secs,
+            } => {
                 if duration_secs == 0 || duration_secs > rules::MAX_MUTE_SECS {
-                    return Err(DomainError::invalid(format!("duration_secs must be 1..={}", rules::MAX_MUTE_SECS)));
+                    return Err(DomainError::invalid(format!(
+                        "duration_secs must be 1..={}",
+                        rules::MAX_MUTE_SECS
+                    )));
                 }
                 let until = now + (duration_secs as i64) * 1000;
                 self.check_manage_member(actor, &conversation, user)?;
-                self.conv_mut(&conversation).members.get_mut(&user).expect("checked").mute_until = Some(until);
+                self.conv_mut(&conversation)
+                    .members
+                    .get_mut(&user)
+                    .expect("checked")
+                    .mute_until = Some(until);
                 self.write_member(&conversation, user, None, ch);
                 let extra = json!({"from_user": actor, "to_user": user, "until": until});
-                self.append(&conversation, actor, MessageKind::MemberMuted, extra, &[], now, ch, ev);
+                self.append(
+                    &conversation,
+                    actor,
+                    MessageKind::MemberMuted,
+                    extra,
+                    &[],
+                    now,
+                    ch,
+                    ev,
+                );
                 Ok(Reply::Done)
             }
-            Command::Unmute { actor, conversation, user } => {
+            Command::Unmute {
+                actor,
+                conversation,
+                user,
+            } => {
                 self.check_manage_member(actor, &conversation, user)?;
-                self.conv_mut(&conversation).members.get_mut(&user).expect("checked").mute_until = None;
+                self.conv_mut(&conversation)
+                    .members
+                    .get_mut(&user)
+                    .expect("checked")
+                    .mute_until = None;
                 self.write_member(&conversation, user, None, ch);
                 let extra = json!({"from_user": actor, "to_user": user});
-                self.append(&conversation, actor, MessageKind::MemberUnmuted, extra, &[], now, ch, ev);
+                self.append(
+                    &conversation,
+                    actor,
+                    MessageKind::MemberUnmuted,
+                    extra,
+                    &[],
+                    now,
+                    ch,
+                    ev,
+                );
                 Ok(Reply::Done)
             }
-            Command::UpdateGroup { actor, conversation, patch } => {
+            Command::UpdateGroup {
+                actor,
+                conversation,
+                patch,
+            } => {
                 let conv = self.group_mut(&conversation)?;
                 if !role_of(conv, actor)?.manages() {
-                    return Err(DomainError::Forbidden("only the owner and admins update the group".into()));
+                    return Err(DomainError::Forbidden(
+                        "only the owner and admins update the group".into(),
+                    ));
                 }
                 if conv.dismissed {
                     return Err(DomainError::Conflict("the group was dismissed".into()));
@@ -286,26 +373,57 @@ impl Engine {
                     conv.avatar = Some(avatar);
                 }
                 if changed.is_empty() {
-                    return Err(DomainError::invalid("nothing to update: give name, notice or avatar"));
+                    return Err(DomainError::invalid(
+                        "nothing to update: give name, notice or avatar",
+                    ));
                 }
                 let extra = serde_json::Value::Object(changed);
-                self.append(&conversation, actor, MessageKind::GroupUpdated, extra, &[], now, ch, ev);
+                self.append(
+                    &conversation,
+                    actor,
+                    MessageKind::GroupUpdated,
+                    extra,
+                    &[],
+                    now,
+                    ch,
+                    ev,
+                );
                 Ok(Reply::Conversation(conversation))
             }
-            Command::Dismiss { actor, conversation } => {
+            Command::Dismiss {
+                actor,
+                conversation,
+            } => {
                 let conv = self.group_mut(&conversation)?;
                 if role_of(conv, actor)? != Role::Owner {
-                    return Err(DomainError::Forbidden("only the owner dismisses the group".into()));
+                    return Err(DomainError::Forbidden(
+                        "only the owner dismisses the group".into(),
+                    ));
                 }
                 if conv.dismissed {
-                    return Err(DomainError::Conflict("the group was dismissed already".into()));
+                    return Err(DomainError::Conflict(
+                        "the group was dismissed already".into(),
+                    ));
                 }
-                self.append(&conversation, actor, MessageKind::GroupDismissed, json!({}), &[], now, ch, ev);
+                self.append(
+                    &conversation,
+                    actor,
+                    MessageKind::GroupDismissed,
+                    json!({}),
+                    &[],
+                    now,
+                    ch,
+                    ev,
+                );
                 self.conv_mut(&conversation).dismissed = true;
                 Ok(Reply::Done)
             }
             Command::Recall { actor, msg_id } => self.recall(actor, msg_id, now, ch, ev),
-            Command::Edit { actor, msg_id, content } => self.edit(actor, msg_id, content, now, ch, ev),
+            Command::Edit {
+                actor,
+                msg_id,
+                content,
+            } => self.edit(actor, msg_id, content, now, ch, ev),
             Command::AdminDelete { msg_id } => {
                 let mut msg = self.existing_message(msg_id)?;
                 if msg.status != MessageStatus::Deleted {
@@ -325,16 +443,28 @@ impl Engine {
             }
             Command::HideMessage { user, msg_id } => {
                 let msg = self.existing_message(msg_id)?;
-                let conv_id = ConversationId::parse(&msg.conversation_id).map_err(|_| DomainError::NotFound("message"))?;
-                let conv = self.conversations.get(&conv_id).ok_or(DomainError::NotFound("message"))?;
-                let m = conv.members.get(&user).ok_or(DomainError::NotFound("message"))?;
+                let conv_id = ConversationId::parse(&msg.conversation_id)
+                    .map_err(|_| DomainError::NotFound("message"))?;
+                let conv = self
+                    .conversations
+                    .get(&conv_id)
+                    .ok_or(DomainError::NotFound("message"))?;
+                let m = conv
+                    .members
+                    .get(&user)
+                    .ok_or(DomainError::NotFound("message"))?;
                 if msg.seq < m.joined_seq {
                     return Err(DomainError::NotFound("message"));
                 }
                 ch.hidden_messages.push((user, msg_id));
                 Ok(Reply::Done)
             }
-            Command::Read { user, conversation, seq, from_device } => {
+            Command::Read {
+                user,
+                conversation,
+                seq,
+                from_device,
+            } => {
                 let conv = self.member_conv_mut(&conversation, user)?;
                 let newest = conv.seq;
                 let member = conv.members.get_mut(&user).expect("member checked");
@@ -345,10 +475,20 @@ impl Engine {
                 member.last_read_seq = target;
                 let to: Vec<UserId> = conv.members.keys().copied().collect();
                 self.write_member(&conversation, user, None, ch);
-                ev.push(Event::Receipt { conversation, user, last_read_seq: target, to, except_device: from_device });
+                ev.push(Event::Receipt {
+                    conversation,
+                    user,
+                    last_read_seq: target,
+                    to,
+                    except_device: from_device,
+                });
                 Ok(Reply::LastRead(target))
             }
-            Command::Settings { user, conversation, patch } => {
+            Command::Settings {
+                user,
+                conversation,
+                patch,
+            } => {
                 let conv = self.member_conv_mut(&conversation, user)?;
                 let newest = conv.seq;
                 let m = conv.members.get_mut(&user).expect("member checked");
@@ -363,10 +503,21 @@ impl Engine {
                 }
                 let (pinned, muted, hidden) = (m.pinned, m.muted, m.hidden(newest));
                 self.write_member(&conversation, user, None, ch);
-                ev.push(Event::SettingsChanged { user, conversation: conversation.clone(), pinned, muted, hidden });
+                ev.push(Event::SettingsChanged {
+                    user,
+                    conversation: conversation.clone(),
+                    pinned,
+                    muted,
+                    hidden,
+                });
                 Ok(Reply::Conversation(conversation))
             }
-            Command::AdvanceCursor { user, device, chain, seq } => {
+            Command::AdvanceCursor {
+                user,
+                device,
+                chain,
+                seq,
+            } => {
                 ch.cursors.push((user, device, chain.key().to_owned(), seq));
                 Ok(Reply::Done)
             }
@@ -377,16 +528,21 @@ impl Engine {
     fn send(&mut self, s: SendCommand, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
         let key = (s.sender, s.client_msg_id.clone());
         if let Some(ack) = self.dedupe.get(&key) {
-            return Ok(Reply::SendAck(SendAck { duplicate: true, ..ack.clone() }));
+            return Ok(Reply::SendAck(SendAck {
+                duplicate: true,
+                ..ack.clone()
+            }));
         }
         let conv_id = match &s.to {
             SendTo::User(peer) => {
-                let id = ConversationId::single(s.sender, *peer).map_err(|e| DomainError::invalid(e.0))?;
+                let id = ConversationId::single(s.sender, *peer)
+                    .map_err(|e| DomainError::invalid(e.0))?;
                 if !self.conversations.contains_key(&id) {
                     if !self.known_users.contains(peer) {
                         return Err(DomainError::NotFound("user"));
                     }
                     self.create_single(&id, s.sender, *peer, now);
+                    self.write_member(&id, *peer, None, ch);
                 }
                 id
             }
@@ -394,14 +550,31 @@ impl Engine {
         };
         let conv = self.member_conv_mut(&conv_id, s.sender)?;
         if conv.dismissed {
-            return Err(DomainError::Conflict("the group was dismissed; it is read-only".into()));
+            return Err(DomainError::Conflict(
+                "the group was dismissed; it is read-only".into(),
+            ));
         }
         let me = conv.members.get(&s.sender).expect("member checked");
         if me.mute_until.is_some_and(|until| until > now) {
             return Err(DomainError::Muted);
         }
-        let content = Content { kind: s.kind, content: s.content, extra: s.extra, reply_to: s.reply_to, mentions: s.mentions };
-        let msg = self.append_full(&conv_id, s.sender, Some(s.client_msg_id.clone()), content, &[], now, ch, ev);
+        let content = Content {
+            kind: s.kind,
+            content: s.content,
+            extra: s.extra,
+            reply_to: s.reply_to,
+            mentions: s.mentions,
+        };
+        let msg = self.append_full(
+            &conv_id,
+            s.sender,
+            Some(s.client_msg_id.clone()),
+            content,
+            &[],
+            now,
+            ch,
+            ev,
+        );
         // Sending reads everything up to the new message for the sender.
         if let Some(m) = self.conv_mut(&conv_id).members.get_mut(&s.sender) {
             m.last_read_seq = msg.seq;
@@ -432,10 +605,21 @@ impl Engine {
         };
         let members = [(a, member(a)), (b, member(b))].into_iter().collect();
         self.absent.remove(id);
-        self.conversations.insert(id.clone(), new_conversation(id.clone(), false, None, None, members, now));
+        self.conversations.insert(
+            id.clone(),
+            new_conversation(id.clone(), false, None, None, members, now),
+        );
     }
 
-    fn create_group(&mut self, owner: UserId, name: String, members: Vec<UserId>, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+    fn create_group(
+        &mut self,
+        owner: UserId,
+        name: String,
+        members: Vec<UserId>,
+        now: i64,
+        ch: &mut Changes,
+        ev: &mut Vec<Event>,
+    ) -> Outcome {
         rules::validate_text_field("name", &name, rules::MAX_GROUP_NAME_CHARS)?;
         let mut all = vec![owner];
         for m in members {
@@ -444,31 +628,75 @@ impl Engine {
             }
         }
         if all.len() > rules::MAX_USERS_PER_REQUEST + 1 {
-            return Err(DomainError::invalid(format!("at most {} members at creation", rules::MAX_USERS_PER_REQUEST)));
+            return Err(DomainError::invalid(format!(
+                "at most {} members at creation",
+                rules::MAX_USERS_PER_REQUEST
+            )));
         }
         if let Some(unknown) = all.iter().find(|u| !self.known_users.contains(u)) {
-            return Err(DomainError::InvalidArgument(format!("user {unknown} is not registered")));
+            return Err(DomainError::InvalidArgument(format!(
+                "user {unknown} is not registered"
+            )));
         }
         let id = ConversationId::group(self.ids.next(now));
         let members = all
             .iter()
             .map(|u| {
-                let role = if *u == owner { Role::Owner } else { Role::Member };
-                (*u, MemberState { role, joined_seq: 1, joined_at: now, mute_until: None, last_read_seq: 0, pinned: false, muted: false, hidden_seq: None })
+                let role = if *u == owner {
+                    Role::Owner
+                } else {
+                    Role::Member
+                };
+                (
+                    *u,
+                    MemberState {
+                        role,
+                        joined_seq: 1,
+                        joined_at: now,
+                        mute_until: None,
+                        last_read_seq: 0,
+                        pinned: false,
+                        muted: false,
+                        hidden_seq: None,
+                    },
+                )
             })
             .collect();
-        self.conversations.insert(id.clone(), new_conversation(id.clone(), true, Some(name), Some(owner), members, now));
+        self.conversations.insert(
+            id.clone(),
+            new_conversation(id.clone(), true, Some(name), Some(owner), members, now),
+        );
         for u in &all {
             self.write_member(&id, *u, None, ch);
         }
         let extra = json!({ "members": all });
-        self.append(&id, owner, MessageKind::GroupCreated, extra, &[], now, ch, ev);
+        self.append(
+            &id,
+            owner,
+            MessageKind::GroupCreated,
+            extra,
+            &[],
+            now,
+            ch,
+            ev,
+        );
         Ok(Reply::Conversation(id))
     }
 
-    fn invite(&mut self, actor: UserId, conv_id: &ConversationId, users: Vec<UserId>, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+    fn invite(
+        &mut self,
+        actor: UserId,
+        conv_id: &ConversationId,
+        users: Vec<UserId>,
+        now: i64,
+        ch: &mut Changes,
+        ev: &mut Vec<Event>,
+    ) -> Outcome {
         if users.is_empty() || users.len() > rules::MAX_USERS_PER_REQUEST {
-            return Err(DomainError::invalid(format!("user_ids must hold 1..={} users", rules::MAX_USERS_PER_REQUEST)));
+            return Err(DomainError::invalid(format!(
+                "user_ids must hold 1..={} users",
+                rules::MAX_USERS_PER_REQUEST
+            )));
         }
         let known = self.known_users.clone();
         let conv = self.group_mut(conv_id)?;
@@ -479,51 +707,97 @@ impl Engine {
         let mut fresh: Vec<UserId> = Vec::new();
         for u in users {
             if conv.members.contains_key(&u) {
-                return Err(DomainError::Conflict(format!("user {u} is already a member")));
+                return Err(DomainError::Conflict(format!(
+                    "user {u} is already a member"
+                )));
             }
             if !known.contains(&u) {
-                return Err(DomainError::InvalidArgument(format!("user {u} is not registered")));
+                return Err(DomainError::InvalidArgument(format!(
+                    "user {u} is not registered"
+                )));
             }
             if !fresh.contains(&u) {
                 fresh.push(u);
             }
         }
         if conv.members.len() + fresh.len() > rules::MAX_GROUP_MEMBERS {
-            return Err(DomainError::Conflict(format!("a group holds at most {} members", rules::MAX_GROUP_MEMBERS)));
+            return Err(DomainError::Conflict(format!(
+                "a group holds at most {} members",
+                rules::MAX_GROUP_MEMBERS
+            )));
         }
         // New members see the invitation itself and have read everything before it.
         let invite_seq = conv.seq + 1;
         for u in &fresh {
             conv.members.insert(
                 *u,
-                MemberState { role: Role::Member, joined_seq: invite_seq, joined_at: now, mute_until: None, last_read_seq: conv.seq, pinned: false, muted: false, hidden_seq: None },
+                MemberState {
+                    role: Role::Member,
+                    joined_seq: invite_seq,
+                    joined_at: now,
+                    mute_until: None,
+                    last_read_seq: conv.seq,
+                    pinned: false,
+                    muted: false,
+                    hidden_seq: None,
+                },
             );
         }
         for u in &fresh {
             self.write_member(conv_id, *u, None, ch);
         }
         let extra = json!({"from_user": actor, "to_users": fresh});
-        self.append(conv_id, actor, MessageKind::MemberInvited, extra, &[], now, ch, ev);
+        self.append(
+            conv_id,
+            actor,
+            MessageKind::MemberInvited,
+            extra,
+            &[],
+            now,
+            ch,
+            ev,
+        );
         Ok(Reply::Done)
     }
 
-    fn remove(&mut self, actor: UserId, conv_id: &ConversationId, user: UserId, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+    fn remove(
+        &mut self,
+        actor: UserId,
+        conv_id: &ConversationId,
+        user: UserId,
+        now: i64,
+        ch: &mut Changes,
+        ev: &mut Vec<Event>,
+    ) -> Outcome {
         let conv = self.group_mut(conv_id)?;
         let actor_role = role_of(conv, actor)?;
-        let target_role = conv.members.get(&user).map(|m| m.role).ok_or(DomainError::NotFound("member"))?;
+        let target_role = conv
+            .members
+            .get(&user)
+            .map(|m| m.role)
+            .ok_or(DomainError::NotFound("member"))?;
         let (kind, extra) = if actor == user {
             if actor_role == Role::Owner {
-                return Err(DomainError::Forbidden("the owner cannot quit; dismiss the group instead".into()));
+                return Err(DomainError::Forbidden(
+                    "the owner cannot quit; dismiss the group instead".into(),
+                ));
             }
             (MessageKind::MemberQuit, json!({"user": user}))
         } else {
             if !actor_role.manages() {
-                return Err(DomainError::Forbidden("only the owner and admins remove members".into()));
+                return Err(DomainError::Forbidden(
+                    "only the owner and admins remove members".into(),
+                ));
             }
             if !outranks(actor_role, target_role) {
-                return Err(DomainError::Forbidden("cannot remove a member of equal or higher role".into()));
+                return Err(DomainError::Forbidden(
+                    "cannot remove a member of equal or higher role".into(),
+                ));
             }
-            (MessageKind::MemberKicked, json!({"from_user": actor, "to_users": [user]}))
+            (
+                MessageKind::MemberKicked,
+                json!({"from_user": actor, "to_users": [user]}),
+            )
         };
         // The removal is the last message the removed member receives.
         let msg = self.append(conv_id, actor, kind, extra, &[], now, ch, ev);
@@ -533,7 +807,14 @@ impl Engine {
         Ok(Reply::Done)
     }
 
-    fn recall(&mut self, actor: UserId, msg_id: MsgId, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+    fn recall(
+        &mut self,
+        actor: UserId,
+        msg_id: MsgId,
+        now: i64,
+        ch: &mut Changes,
+        ev: &mut Vec<Event>,
+    ) -> Outcome {
         let msg = self.existing_message(msg_id)?;
         let conv_id = self.visible_conversation_of(&msg, actor)?;
         if !msg.kind.is_user_content() {
@@ -542,7 +823,9 @@ impl Engine {
         let conv = self.conversations.get(&conv_id).expect("visible checked");
         let manager = conv.is_group && conv.members.get(&actor).is_some_and(|m| m.role.manages());
         if msg.sender != actor && !manager {
-            return Err(DomainError::Forbidden("only the sender or a group admin may recall".into()));
+            return Err(DomainError::Forbidden(
+                "only the sender or a group admin may recall".into(),
+            ));
         }
         if msg.status == MessageStatus::Recalled {
             return Ok(Reply::Message(Box::new(msg.redacted(false))));
@@ -565,36 +848,66 @@ impl Engine {
         });
         self.messages.insert(msg_id, updated.clone());
         let extra = json!({"msg_id": msg_id});
-        self.append(&conv_id, actor, MessageKind::Recall, extra, &[], now, ch, ev);
+        self.append(
+            &conv_id,
+            actor,
+            MessageKind::Recall,
+            extra,
+            &[],
+            now,
+            ch,
+            ev,
+        );
         Ok(Reply::Message(Box::new(updated.redacted(false))))
     }
 
-    fn edit(&mut self, actor: UserId, msg_id: MsgId, content: String, now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Outcome {
+    fn edit(
+        &mut self,
+        actor: UserId,
+        msg_id: MsgId,
+        content: String,
+        now: i64,
+        ch: &mut Changes,
+        ev: &mut Vec<Event>,
+    ) -> Outcome {
         let msg = self.existing_message(msg_id)?;
         let conv_id = self.visible_conversation_of(&msg, actor)?;
         if msg.sender != actor {
-            return Err(DomainError::Forbidden("only the sender may edit a message".into()));
+            return Err(DomainError::Forbidden(
+                "only the sender may edit a message".into(),
+            ));
         }
         if msg.kind != MessageKind::Text {
             return Err(DomainError::invalid("only text messages can be edited"));
         }
         if msg.status != MessageStatus::Normal {
-            return Err(DomainError::Conflict(format!("the message is {}", msg.status.as_str())));
+            return Err(DomainError::Conflict(format!(
+                "the message is {}",
+                msg.status.as_str()
+            )));
         }
         if now - msg.created_at > self.cfg.edit_window_ms {
             return Err(DomainError::WindowExpired);
         }
-        if self.conversations.get(&conv_id).is_some_and(|c| c.dismissed) {
-            return Err(DomainError::Conflict("the group was dismissed; it is read-only".into()));
+        if self
+            .conversations
+            .get(&conv_id)
+            .is_some_and(|c| c.dismissed)
+        {
+            return Err(DomainError::Conflict(
+                "the group was dismissed; it is read-only".into(),
+            ));
         }
         let mut updated = msg.clone();
         updated.version += 1;
         updated.content = content.clone();
         updated.edited_at = Some(now);
         if msg.version == 1 {
-            ch.versions.push((msg_id, 1, msg.content.clone(), msg.created_at));
+            ch.versions
+                .push((msg_id, 1, msg.content.clone(), msg.created_at));
         }
-        ch.versions.push((msg_id, updated.version, content.clone(), now));
+        ch.versions
+            .push((msg_id, updated.version, content.clone(), now));
         ch.message_updates.push(MessageUpdate {
             msg_id,
             status: MessageStatus::Normal,
@@ -611,9 +924,17 @@ impl Engine {
 
     /// The conversation of `msg`, if `user` may see the message (a current member who joined
     /// at or before it); `not_found` otherwise, so nothing leaks.
-    fn visible_conversation_of(&self, msg: &Message, user: UserId) -> Result<ConversationId, DomainError> {
-        let conv_id = ConversationId::parse(&msg.conversation_id).map_err(|_| DomainError::NotFound("message"))?;
-        let conv = self.conversations.get(&conv_id).ok_or(DomainError::NotFound("message"))?;
+    fn visible_conversation_of(
+        &self,
+        msg: &Message,
+        user: UserId,
+    ) -> Result<ConversationId, DomainError> {
+        let conv_id = ConversationId::parse(&msg.conversation_id)
+            .map_err(|_| DomainError::NotFound("message"))?;
+        let conv = self
+            .conversations
+            .get(&conv_id)
+            .ok_or(DomainError::NotFound("message"))?;
         match conv.members.get(&user) {
             Some(m) if msg.seq >= m.joined_seq => Ok(conv_id),
             _ => Err(DomainError::NotFound("message")),
@@ -627,18 +948,30 @@ impl Engine {
         }
     }
 
-    fn check_manage_member(&mut self, actor: UserId, conv_id: &ConversationId, user: UserId) -> Result<(), DomainError> {
+    fn check_manage_member(
+        &mut self,
+        actor: UserId,
+        conv_id: &ConversationId,
+        user: UserId,
+    ) -> Result<(), DomainError> {
         let conv = self.group_mut(conv_id)?;
         let actor_role = role_of(conv, actor)?;
         if !actor_role.manages() {
-            return Err(DomainError::Forbidden("only the owner and admins mute members".into()));
+            return Err(DomainError::Forbidden(
+                "only the owner and admins mute members".into(),
+            ));
         }
         if conv.dismissed {
             return Err(DomainError::Conflict("the group was dismissed".into()));
         }
-        let target = conv.members.get(&user).ok_or(DomainError::NotFound("member"))?;
+        let target = conv
+            .members
+            .get(&user)
+            .ok_or(DomainError::NotFound("member"))?;
         if !outranks(actor_role, target.role) {
-            return Err(DomainError::Forbidden("cannot mute a member of equal or higher role".into()));
+            return Err(DomainError::Forbidden(
+                "cannot mute a member of equal or higher role".into(),
+            ));
         }
         Ok(())
     }
@@ -651,7 +984,11 @@ impl Engine {
         }
     }
 
-    fn member_conv_mut(&mut self, id: &ConversationId, user: UserId) -> Result<&mut ConversationState, DomainError> {
+    fn member_conv_mut(
+        &mut self,
+        id: &ConversationId,
+        user: UserId,
+    ) -> Result<&mut ConversationState, DomainError> {
         match self.conversations.get_mut(id) {
             Some(c) if c.members.contains_key(&user) => Ok(c),
             _ => Err(DomainError::NotMember),
@@ -659,32 +996,74 @@ impl Engine {
     }
 
     fn conv_mut(&mut self, id: &ConversationId) -> &mut ConversationState {
-        self.conversations.get_mut(id).expect("conversation loaded and checked")
+        self.conversations
+            .get_mut(id)
+            .expect("conversation loaded and checked")
     }
 
     /// Records the current (or, with `left_seq`, the ended) membership row of `user`.
-    fn write_member(&mut self, conv_id: &ConversationId, user: UserId, left_seq: Option<u64>, ch: &mut Changes) {
+    fn write_member(
+        &mut self,
+        conv_id: &ConversationId,
+        user: UserId,
+        left_seq: Option<u64>,
+        ch: &mut Changes,
+    ) {
         let conv = self.conv_mut(conv_id);
         if let Some(state) = conv.members.get(&user) {
-            let row = MemberRow { conversation: conv_id.clone(), user, state: state.clone(), left_seq };
+            let row = MemberRow {
+                conversation: conv_id.clone(),
+                user,
+                state: state.clone(),
+                left_seq,
+            };
             ch.members.insert((conv_id.clone(), user), row);
         }
         self.touched.insert(conv_id.clone());
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn append(&mut self, conv_id: &ConversationId, sender: UserId, kind: MessageKind, extra: serde_json::Value, also_to: &[UserId], now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Arc<Message> {
-        let content = Content { kind, content: String::new(), extra, reply_to: None, mentions: Vec::new() };
+    fn append(
+        &mut self,
+        conv_id: &ConversationId,
+        sender: UserId,
+        kind: MessageKind,
+        extra: serde_json::Value,
+        also_to: &[UserId],
+        now: i64,
+        ch: &mut Changes,
+        ev: &mut Vec<Event>,
+    ) -> Arc<Message> {
+        let content = Content {
+            kind,
+            content: String::new(),
+            extra,
+            reply_to: None,
+            mentions: Vec::new(),
+        };
         self.append_full(conv_id, sender, None, content, also_to, now, ch, ev)
     }
 
     /// Appends a message at the next seq, copies it into the inboxes of a write fan-out
     /// conversation's members, and announces it. The conversation must be loaded.
     #[allow(clippy::too_many_arguments)]
-    fn append_full(&mut self, conv_id: &ConversationId, sender: UserId, client_msg_id: Option<ClientMsgId>, c: Content, also_to: &[UserId], now: i64, ch: &mut Changes, ev: &mut Vec<Event>) -> Arc<Message> {
+    fn append_full(
+        &mut self,
+        conv_id: &ConversationId,
+        sender: UserId,
+        client_msg_id: Option<ClientMsgId>,
+        c: Content,
+        also_to: &[UserId],
+        now: i64,
+        ch: &mut Changes,
+        ev: &mut Vec<Event>,
+    ) -> Arc<Message> {
         let msg_id = MsgId::new(self.ids.next(now)).expect("snowflakes are positive 63-bit ids");
         let write_max = self.cfg.fanout_write_max_members;
-        let conv = self.conversations.get_mut(conv_id).expect("conversation loaded and checked");
+        let conv = self
+            .conversations
+            .get_mut(conv_id)
+            .expect("conversation loaded and checked");
         conv.seq += 1;
         let seq = conv.seq;
         // Recall and edit commands change an older message; the list keeps showing that one.
@@ -716,7 +1095,13 @@ impl Engine {
                 for user in targets {
                     let head = self.inbox_heads.entry(user).or_insert(0);
                     *head += 1;
-                    ch.inbox.push(InboxRow { user, user_seq: *head, msg_id, conversation: conv_id.clone(), seq });
+                    ch.inbox.push(InboxRow {
+                        user,
+                        user_seq: *head,
+                        msg_id,
+                        conversation: conv_id.clone(),
+                        seq,
+                    });
                     recipients.push((user, Some(*head)));
                 }
             }
@@ -724,7 +1109,10 @@ impl Engine {
         }
         self.touched.insert(conv_id.clone());
         ch.messages.push((*message).clone());
-        ev.push(Event::Message { message: message.clone(), recipients });
+        ev.push(Event::Message {
+            message: message.clone(),
+            recipients,
+        });
         message
     }
 }
@@ -738,10 +1126,20 @@ struct Content {
 }
 
 fn role_of(conv: &ConversationState, user: UserId) -> Result<Role, DomainError> {
-    conv.members.get(&user).map(|m| m.role).ok_or(DomainError::NotMember)
+    conv.members
+        .get(&user)
+        .map(|m| m.role)
+        .ok_or(DomainError::NotMember)
 }
 
-fn new_conversation(id: ConversationId, is_group: bool, name: Option<String>, owner: Option<UserId>, members: HashMap<UserId, MemberState>, now: i64) -> ConversationState {
+fn new_conversation(
+    id: ConversationId,
+    is_group: bool,
+    name: Option<String>,
+    owner: Option<UserId>,
+    members: HashMap<UserId, MemberState>,
+    now: i64,
+) -> ConversationState {
     ConversationState {
         id,
         is_group,

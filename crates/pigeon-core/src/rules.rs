@@ -23,23 +23,39 @@ pub const MAX_MUTE_SECS: u64 = 366 * 86_400;
 /// The part of a conversation's chain a membership may read: `joined_seq ..= left_seq` (or
 /// up to the newest seq while still a member).
 pub fn visible_range(joined_seq: u64, left_seq: Option<u64>, newest_seq: u64) -> (u64, u64) {
-    (joined_seq.max(1), left_seq.unwrap_or(newest_seq).min(newest_seq))
+    (
+        joined_seq.max(1),
+        left_seq.unwrap_or(newest_seq).min(newest_seq),
+    )
 }
 
 /// Checks a send from the wire and turns it into a command.
-pub fn validate_send(sender: UserId, req: SendRequest, limits: Limits) -> Result<SendCommand, DomainError> {
-    let client_msg_id = ClientMsgId::parse(&req.client_msg_id).map_err(|e| DomainError::invalid(e.0))?;
+pub fn validate_send(
+    sender: UserId,
+    req: SendRequest,
+    limits: Limits,
+) -> Result<SendCommand, DomainError> {
+    let client_msg_id =
+        ClientMsgId::parse(&req.client_msg_id).map_err(|e| DomainError::invalid(e.0))?;
     let to = match (req.to.user, req.to.conversation) {
         (Some(user), None) if user == sender => {
-            return Err(DomainError::invalid("cannot send a single-chat message to yourself"));
+            return Err(DomainError::invalid(
+                "cannot send a single-chat message to yourself",
+            ));
         }
         (Some(user), None) => SendTo::User(user),
         (None, Some(conv)) => SendTo::Conversation(conv),
-        _ => return Err(DomainError::invalid("to must name exactly one of user or conversation")),
+        _ => {
+            return Err(DomainError::invalid(
+                "to must name exactly one of user or conversation",
+            ));
+        }
     };
     let kind = MessageKind::parse(&req.kind)
         .filter(|k| k.is_user_content())
-        .ok_or_else(|| DomainError::invalid("kind must be one of text, image, voice, video, file, custom"))?;
+        .ok_or_else(|| {
+            DomainError::invalid("kind must be one of text, image, voice, video, file, custom")
+        })?;
     if req.content.is_empty() {
         return Err(DomainError::invalid("content must not be empty"));
     }
@@ -50,10 +66,15 @@ pub fn validate_send(sender: UserId, req: SendRequest, limits: Limits) -> Result
         )));
     }
     if !req.extra.is_null() && req.extra.to_string().len() > limits.max_content_bytes {
-        return Err(DomainError::PayloadTooLarge(format!("extra is over {} bytes", limits.max_content_bytes)));
+        return Err(DomainError::PayloadTooLarge(format!(
+            "extra is over {} bytes",
+            limits.max_content_bytes
+        )));
     }
     if req.mentions.len() > MAX_MENTIONS {
-        return Err(DomainError::invalid(format!("at most {MAX_MENTIONS} mentions")));
+        return Err(DomainError::invalid(format!(
+            "at most {MAX_MENTIONS} mentions"
+        )));
     }
     for m in &req.mentions {
         UserId::new(*m).map_err(|e| DomainError::invalid(e.0))?;
@@ -87,7 +108,9 @@ pub fn validate_edit_content(content: &str, limits: Limits) -> Result<(), Domain
 /// Bounds a free-text group field.
 pub fn validate_text_field(field: &str, value: &str, max_chars: usize) -> Result<(), DomainError> {
     if value.chars().count() > max_chars {
-        return Err(DomainError::invalid(format!("{field} is longer than {max_chars} characters")));
+        return Err(DomainError::invalid(format!(
+            "{field} is longer than {max_chars} characters"
+        )));
     }
     Ok(())
 }
@@ -112,7 +135,10 @@ mod tests {
     fn req(kind: &str, content: &str, to_user: u64) -> SendRequest {
         SendRequest {
             client_msg_id: "m1".into(),
-            to: SendTarget { user: Some(UserId::new(to_user).unwrap()), conversation: None },
+            to: SendTarget {
+                user: Some(UserId::new(to_user).unwrap()),
+                conversation: None,
+            },
             kind: kind.into(),
             content: content.into(),
             extra: serde_json::Value::Null,
@@ -121,17 +147,40 @@ mod tests {
         }
     }
 
-    const LIMITS: Limits = Limits { max_content_bytes: 10 };
+    const LIMITS: Limits = Limits {
+        max_content_bytes: 10,
+    };
 
     #[test]
     fn sends_are_checked() {
         let me = UserId::new(1).unwrap();
         assert!(validate_send(me, req("text", "hi", 2), LIMITS).is_ok());
-        assert_eq!(validate_send(me, req("text", "hi", 1), LIMITS).unwrap_err().code().as_str(), "invalid_argument");
-        assert_eq!(validate_send(me, req("recall", "hi", 2), LIMITS).unwrap_err().code().as_str(), "invalid_argument");
-        assert_eq!(validate_send(me, req("text", "", 2), LIMITS).unwrap_err().code().as_str(), "invalid_argument");
         assert_eq!(
-            validate_send(me, req("text", "01234567890", 2), LIMITS).unwrap_err().code().as_str(),
+            validate_send(me, req("text", "hi", 1), LIMITS)
+                .unwrap_err()
+                .code()
+                .as_str(),
+            "invalid_argument"
+        );
+        assert_eq!(
+            validate_send(me, req("recall", "hi", 2), LIMITS)
+                .unwrap_err()
+                .code()
+                .as_str(),
+            "invalid_argument"
+        );
+        assert_eq!(
+            validate_send(me, req("text", "", 2), LIMITS)
+                .unwrap_err()
+                .code()
+                .as_str(),
+            "invalid_argument"
+        );
+        assert_eq!(
+            validate_send(me, req("text", "01234567890", 2), LIMITS)
+                .unwrap_err()
+                .code()
+                .as_str(),
             "payload_too_large"
         );
     }

@@ -17,14 +17,21 @@ impl Snowflake {
     /// `floor` is the largest id already handed out (read from the store at start), so that a
     /// clock that went back across a restart can never repeat an id.
     pub fn new(node: u16, floor: u64) -> Self {
-        Snowflake { node: u64::from(node) & ((1 << NODE_BITS) - 1), last: floor }
+        Snowflake {
+            node: u64::from(node) & ((1 << NODE_BITS) - 1),
+            last: floor,
+        }
     }
 
     pub fn next(&mut self, now_ms: i64) -> u64 {
         let ms = (now_ms - EPOCH_MS).max(0) as u64;
         let candidate = (ms << (NODE_BITS + SEQ_BITS)) | (self.node << SEQ_BITS);
         // Same millisecond (or a clock that went back): keep counting past the last id.
-        let id = if candidate > self.last { candidate } else { self.last + 1 };
+        let id = if candidate > self.last {
+            candidate
+        } else {
+            self.last + 1
+        };
         self.last = id;
         id
     }

@@ -26,7 +26,10 @@ pub struct Needs {
 
 impl Needs {
     pub fn is_empty(&self) -> bool {
-        self.conversations.is_empty() && self.users.is_empty() && self.messages.is_empty() && self.dedupe.is_empty()
+        self.conversations.is_empty()
+            && self.users.is_empty()
+            && self.messages.is_empty()
+            && self.dedupe.is_empty()
     }
 }
 
@@ -111,7 +114,11 @@ pub trait Store: Send + Sync + 'static {
 
     // Reads.
     async fn user(&self, user: UserId) -> Result<Option<UserRecord>, StoreError>;
-    async fn membership(&self, conv: &ConversationId, user: UserId) -> Result<Option<Membership>, StoreError>;
+    async fn membership(
+        &self,
+        conv: &ConversationId,
+        user: UserId,
+    ) -> Result<Option<Membership>, StoreError>;
     /// One page of `conv` between seqs `lo ..= hi` (the reader's visible range), as `reader`
     /// sees it, ascending; and whether more exist beyond the page in the direction asked.
     async fn history(
@@ -130,14 +137,25 @@ pub trait Store: Send + Sync + 'static {
         limit: u32,
         include_hidden: bool,
     ) -> Result<Vec<ConversationView>, StoreError>;
-    async fn members(&self, conv: &ConversationId, after: Option<UserId>, limit: u32) -> Result<Vec<MemberView>, StoreError>;
+    async fn members(
+        &self,
+        conv: &ConversationId,
+        after: Option<UserId>,
+        limit: u32,
+    ) -> Result<Vec<MemberView>, StoreError>;
     async fn message(&self, msg_id: MsgId) -> Result<Option<AuditedMessage>, StoreError>;
     async fn versions(&self, msg_id: MsgId) -> Result<Vec<VersionView>, StoreError>;
     async fn is_hidden_for(&self, user: UserId, msg_id: MsgId) -> Result<bool, StoreError>;
     async fn inbox_head(&self, user: UserId) -> Result<u64, StoreError>;
     /// Inbox entries `from ..= to`, at most `limit`, ascending, as `user` sees them; and
     /// whether the inbox holds more after the last one up to `to`.
-    async fn pull_inbox(&self, user: UserId, from: u64, to: u64, limit: u32) -> Result<(Vec<ChainItem>, bool), StoreError>;
+    async fn pull_inbox(
+        &self,
+        user: UserId,
+        from: u64,
+        to: u64,
+        limit: u32,
+    ) -> Result<(Vec<ChainItem>, bool), StoreError>;
     async fn cursor(&self, user: UserId, device: &str, chain: &str) -> Result<u64, StoreError>;
     /// Read fan-out groups of `user` with messages after the position given (or the device's
     /// stored cursor, or 0).
@@ -150,5 +168,9 @@ pub trait Store: Send + Sync + 'static {
     /// (conversation, unread, muted) for every current membership with unread messages.
     async fn unread(&self, user: UserId) -> Result<Vec<(ConversationId, u64, bool)>, StoreError>;
     /// Current members other than the sender of `seq`, split by whether they read it.
-    async fn receipts(&self, conv: &ConversationId, seq: u64) -> Result<(Vec<UserId>, Vec<UserId>), StoreError>;
+    async fn receipts(
+        &self,
+        conv: &ConversationId,
+        seq: u64,
+    ) -> Result<(Vec<UserId>, Vec<UserId>), StoreError>;
 }

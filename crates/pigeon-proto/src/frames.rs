@@ -204,7 +204,13 @@ mod tests {
     fn client_frames_parse_by_type_and_ignore_unknown_fields() {
         let f: ClientFrame =
             serde_json::from_str(r#"{"type":"ack","user_seq":5,"req":1,"x":true}"#).unwrap();
-        assert_eq!(f, ClientFrame::Ack(AckFrame { user_seq: Some(5), ..Default::default() }));
+        assert_eq!(
+            f,
+            ClientFrame::Ack(AckFrame {
+                user_seq: Some(5),
+                ..Default::default()
+            })
+        );
         let f: ClientFrame = serde_json::from_str(r#"{"type":"ping"}"#).unwrap();
         assert_eq!(f, ClientFrame::Ping);
         assert!(serde_json::from_str::<ClientFrame>(r#"{"type":"nope"}"#).is_err());
@@ -213,7 +219,10 @@ mod tests {
     #[test]
     fn msg_frame_leaves_user_seq_out_for_read_fanout() {
         assert_eq!(msg_frame("{}", None), r#"{"type":"msg","message":{}}"#);
-        assert_eq!(msg_frame("{}", Some(7)), r#"{"type":"msg","message":{},"user_seq":7}"#);
+        assert_eq!(
+            msg_frame("{}", Some(7)),
+            r#"{"type":"msg","message":{},"user_seq":7}"#
+        );
     }
 
     #[test]

@@ -172,7 +172,8 @@ impl ConversationId {
 
 /// Digits only, no sign, no leading zero (so each number has one spelling).
 fn parse_canonical_u64(s: &str) -> Option<u64> {
-    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0')) {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0'))
+    {
         return None;
     }
     s.parse().ok()
@@ -193,7 +194,8 @@ impl<'de> Deserialize<'de> for ConversationId {
 
 fn valid_token_chars(s: &str) -> bool {
     (1..=64).contains(&s.len())
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 macro_rules! short_token_id {
@@ -278,7 +280,10 @@ mod tests {
     #[test]
     fn msg_id_is_a_string_on_the_wire() {
         let id = MsgId::new(7301234567890123456).unwrap();
-        assert_eq!(serde_json::to_string(&id).unwrap(), "\"7301234567890123456\"");
+        assert_eq!(
+            serde_json::to_string(&id).unwrap(),
+            "\"7301234567890123456\""
+        );
         let back: MsgId = serde_json::from_str("\"7301234567890123456\"").unwrap();
         assert_eq!(back, id);
         assert!(serde_json::from_str::<MsgId>("7301").is_err());

@@ -45,7 +45,9 @@ pub struct SyncSummary {
 
 impl App {
     pub fn limits(&self) -> Limits {
-        Limits { max_content_bytes: self.cfg.max_content_bytes }
+        Limits {
+            max_content_bytes: self.cfg.max_content_bytes,
+        }
     }
 
     pub fn is_draining(&self) -> bool {
@@ -54,7 +56,10 @@ impl App {
 
     /// The user a token belongs to, if it is well-formed, signed, unexpired and not revoked.
     pub async fn authenticate(&self, token: &str) -> ApiResult<UserId> {
-        let Claims { uid, exp, gen_ } = self.signer.verify(token).ok_or_else(ApiError::unauthorized)?;
+        let Claims { uid, exp, gen_ } = self
+            .signer
+            .verify(token)
+            .ok_or_else(ApiError::unauthorized)?;
         if exp <= now_ms() {
             return Err(ApiError::unauthorized());
         }
@@ -70,43 +75,83 @@ impl App {
 
     /// The caller's membership of `conv` (current or ended); `not_member` when none.
     pub async fn membership(&self, user: UserId, conv: &ConversationId) -> ApiResult<Membership> {
-        self.store.membership(conv, user).await?.ok_or_else(ApiError::not_member)
+        self.store
+            .membership(conv, user)
+            .await?
+            .ok_or_else(ApiError::not_member)
     }
 
     /// The seqs of `conv` the caller may read.
-    pub async fn readable_range(&self, user: UserId, conv: &ConversationId) -> ApiResult<(u64, u64)> {
+    pub async fn readable_range(
+        &self,
+        user: UserId,
+        conv: &ConversationId,
+    ) -> ApiResult<(u64, u64)> {
         let m = self.membership(user, conv).await?;
         Ok(visible_range(m.joined_seq, m.left_seq, m.conversation_seq))
     }
 
-    pub async fn history(&self, user: UserId, conv: &ConversationId, q: HistoryQuery) -> ApiResult<(Vec<Message>, bool)> {
+    pub async fn history(
+        &self,
+        user: UserId,
+        conv: &ConversationId,
+        q: HistoryQuery,
+    ) -> ApiResult<(Vec<Message>, bool)> {
         let range = self.readable_range(user, conv).await?;
         Ok(self.store.history(conv, user, range, q).await?)
     }
 
     /// One conversation as the caller sees it (hidden or not).
-    pub async fn conversation(&self, user: UserId, conv: &ConversationId) -> ApiResult<ConversationView> {
-        let mut list = self.store.conversations(user, Some(conv), None, 1, true).await?;
+    pub async fn conversation(
+        &self,
+        user: UserId,
+        conv: &ConversationId,
+    ) -> ApiResult<ConversationView> {
+        let mut list = self
+            .store
+            .conversations(user, Some(conv), None, 1, true)
+            .await?;
         list.pop().ok_or_else(ApiError::not_member)
     }
 
     /// Level one of sync: the inbox head and the read fan-out groups that moved.
-    pub async fn sync(&self, user: UserId, device: &DeviceId, f: &SyncFrame) -> ApiResult<SyncSummary> {
+    pub async fn sync(
+        &self,
+        user: UserId,
+        device: &DeviceId,
+        f: &SyncFrame,
+    ) -> ApiResult<SyncSummary> {
         let user_seq = self.store.inbox_head(user).await?;
         let cursor = match f.user_seq {
             Some(s) => s,
             None => self.store.cursor(user, device.as_str(), "user").await?,
         };
-        let given: HashMap<String, u64> = f.conversations.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let given: HashMap<String, u64> = f
+            .conversations
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
         if given.len() > 10_000 {
             return Err(ApiError::invalid("at most 10000 conversations in one sync"));
         }
-        let conversations = self.store.read_fanout_changes(user, device.as_str(), &given).await?;
-        Ok(SyncSummary { user_seq, cursor, conversations })
+        let conversations = self
+            .store
+            .read_fanout_changes(user, device.as_str(), &given)
+            .await?;
+        Ok(SyncSummary {
+            user_seq,
+            cursor,
+            conversations,
+        })
     }
 
     /// Level two of sync: a complete, contiguous range of a chain, capped at [`PULL_MAX`].
-    pub async fn pull(&self, user: UserId, device: &DeviceId, f: &PullFrame) -> ApiResult<(Vec<ChainItem>, bool)> {
+    pub async fn pull(
+        &self,
+        user: UserId,
+        device: &DeviceId,
+        f: &PullFrame,
+    ) -> ApiResult<(Vec<ChainItem>, bool)> {
         let limit = f.limit.unwrap_or(PULL_DEFAULT);
         if limit == 0 {
             return Err(ApiError::invalid("limit must be at least 1"));
@@ -128,11 +173,19 @@ impl App {
                 Ok(self.store.pull_inbox(user, from.max(1), to, limit).await?)
             }
             Chain::Conversation => {
-                let conv = f.conversation_id.as_ref().ok_or_else(|| ApiError::invalid("chain conversation needs conversation_id"))?;
+                let conv = f
+                    .conversation_id
+                    .as_ref()
+                    .ok_or_else(|| ApiError::invalid("chain conversation needs conversation_id"))?;
                 let (lo, hi) = self.readable_range(user, conv).await?;
                 let from = match f.from {
                     Some(v) => v,
-                    None => self.store.cursor(user, device.as_str(), conv.as_str()).await? + 1,
+                    None => {
+                        self.store
+                            .cursor(user, device.as_str(), conv.as_str())
+                            .await?
+                            + 1
+                    }
                 };
                 let to = f.to.unwrap_or(hi).min(hi);
                 let from = from.max(lo);
@@ -146,7 +199,15 @@ impl App {
                     to_time: None,
                 };
                 let (msgs, has_more) = self.store.history(conv, user, (from, to), q).await?;
-                Ok((msgs.into_iter().map(|m| ChainItem { seq: m.seq, message: m }).collect(), has_more))
+                Ok((
+                    msgs.into_iter()
+                        .map(|m| ChainItem {
+                            seq: m.seq,
+                            message: m,
+                        })
+                        .collect(),
+                    has_more,
+                ))
             }
         }
     }
@@ -158,8 +219,16 @@ impl App {
             return Err(ApiError::not_member());
         }
         let members = self.store.members(conv, None, 2000).await?;
-        let others: Vec<UserId> = members.iter().map(|m| m.user_id).filter(|u| *u != user).collect();
-        let frame = pigeon_proto::frames::ServerFrame::Typing { conversation_id: conv.clone(), user_id: user }.to_json();
+        let others: Vec<UserId> = members
+            .iter()
+            .map(|m| m.user_id)
+            .filter(|u| *u != user)
+            .collect();
+        let frame = pigeon_proto::frames::ServerFrame::Typing {
+            conversation_id: conv.clone(),
+            user_id: user,
+        }
+        .to_json();
         self.hub.send_to_users(&others, &frame, None);
         Ok(())
     }

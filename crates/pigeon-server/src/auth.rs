@@ -79,7 +79,10 @@ pub fn random_secret(n: usize) -> String {
 /// The token of an `Authorization: Bearer <token>` header value.
 pub fn bearer(header: &str) -> Option<&str> {
     let (scheme, token) = header.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
 }
 
 #[cfg(test)]
@@ -89,7 +92,11 @@ mod tests {
     #[test]
     fn tokens_round_trip_and_resist_tampering() {
         let s = TokenSigner::new(b"secret".to_vec());
-        let claims = Claims { uid: UserId::new(7).unwrap(), exp: 1000, gen_: 2 };
+        let claims = Claims {
+            uid: UserId::new(7).unwrap(),
+            exp: 1000,
+            gen_: 2,
+        };
         let t = s.mint(claims);
         assert_eq!(s.verify(&t), Some(claims));
         let other = TokenSigner::new(b"other".to_vec());

@@ -130,9 +130,15 @@ impl Default for Config {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config file {path}: {source}")]
-    Parse { path: PathBuf, source: toml::de::Error },
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
     #[error("{0}")]
     Invalid(String),
 }
@@ -142,25 +148,59 @@ impl Config {
     pub fn resolve(args: &ServeArgs) -> Result<Config, ConfigError> {
         let file = match &args.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
-                toml::from_str::<FileConfig>(&text).map_err(|source| ConfigError::Parse { path: path.clone(), source })?
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                toml::from_str::<FileConfig>(&text).map_err(|source| ConfigError::Parse {
+                    path: path.clone(),
+                    source,
+                })?
             }
             None => FileConfig::default(),
         };
         let d = Config::default();
         let cfg = Config {
             listen: args.listen.or(file.listen).unwrap_or(d.listen),
-            data_dir: args.data_dir.clone().or(file.data_dir).unwrap_or(d.data_dir),
+            data_dir: args
+                .data_dir
+                .clone()
+                .or(file.data_dir)
+                .unwrap_or(d.data_dir),
             admin_key: args.admin_key.clone().or(file.admin_key),
-            fanout_write_max_members: args.fanout_write_max_members.or(file.fanout_write_max_members).unwrap_or(d.fanout_write_max_members),
-            recall_window_secs: args.recall_window_secs.or(file.recall_window_secs).unwrap_or(d.recall_window_secs),
-            edit_window_secs: args.edit_window_secs.or(file.edit_window_secs).unwrap_or(d.edit_window_secs),
-            push_retry_ms: args.push_retry_ms.or(file.push_retry_ms).unwrap_or(d.push_retry_ms),
-            max_content_bytes: args.max_content_bytes.or(file.max_content_bytes).unwrap_or(d.max_content_bytes),
-            heartbeat_ms: args.heartbeat_ms.or(file.heartbeat_ms).unwrap_or(d.heartbeat_ms),
+            fanout_write_max_members: args
+                .fanout_write_max_members
+                .or(file.fanout_write_max_members)
+                .unwrap_or(d.fanout_write_max_members),
+            recall_window_secs: args
+                .recall_window_secs
+                .or(file.recall_window_secs)
+                .unwrap_or(d.recall_window_secs),
+            edit_window_secs: args
+                .edit_window_secs
+                .or(file.edit_window_secs)
+                .unwrap_or(d.edit_window_secs),
+            push_retry_ms: args
+                .push_retry_ms
+                .or(file.push_retry_ms)
+                .unwrap_or(d.push_retry_ms),
+            max_content_bytes: args
+                .max_content_bytes
+                .or(file.max_content_bytes)
+                .unwrap_or(d.max_content_bytes),
+            heartbeat_ms: args
+                .heartbeat_ms
+                .or(file.heartbeat_ms)
+                .unwrap_or(d.heartbeat_ms),
             durability: args.durability.or(file.durability).unwrap_or(d.durability),
-            max_connections: args.max_connections.or(file.max_connections).unwrap_or(d.max_connections),
-            max_token_ttl_secs: args.max_token_ttl_secs.or(file.max_token_ttl_secs).unwrap_or(d.max_token_ttl_secs),
+            max_connections: args
+                .max_connections
+                .or(file.max_connections)
+                .unwrap_or(d.max_connections),
+            max_token_ttl_secs: args
+                .max_token_ttl_secs
+                .or(file.max_token_ttl_secs)
+                .unwrap_or(d.max_token_ttl_secs),
         };
         cfg.check()?;
         Ok(cfg)
@@ -169,9 +209,10 @@ impl Config {
     fn check(&self) -> Result<(), ConfigError> {
         let invalid = |m: &str| Err(ConfigError::Invalid(m.to_owned()));
         if let Some(k) = &self.admin_key
-            && k.len() < 16 {
-                return invalid("admin-key must be at least 16 characters");
-            }
+            && k.len() < 16
+        {
+            return invalid("admin-key must be at least 16 characters");
+        }
         if self.max_content_bytes == 0 || self.max_content_bytes > 1 << 20 {
             return invalid("max-content-bytes must be 1..=1048576 (a frame is at most 1 MiB)");
         }
@@ -198,7 +239,11 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("p.toml");
         std::fs::write(&path, "recall-window-secs = 5\npush_retry_ms = 700\n").unwrap();
-        let args = ServeArgs { config: Some(path), push_retry_ms: Some(900), ..Default::default() };
+        let args = ServeArgs {
+            config: Some(path),
+            push_retry_ms: Some(900),
+            ..Default::default()
+        };
         let cfg = Config::resolve(&args).unwrap();
         assert_eq!(cfg.recall_window_secs, 5);
         assert_eq!(cfg.push_retry_ms, 900);
@@ -211,8 +256,17 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("p.toml");
         std::fs::write(&path, "recal_window = 5\n").unwrap();
-        assert!(Config::resolve(&ServeArgs { config: Some(path), ..Default::default() }).is_err());
-        let args = ServeArgs { admin_key: Some("short".into()), ..Default::default() };
+        assert!(
+            Config::resolve(&ServeArgs {
+                config: Some(path),
+                ..Default::default()
+            })
+            .is_err()
+        );
+        let args = ServeArgs {
+            admin_key: Some("short".into()),
+            ..Default::default()
+        };
         assert!(Config::resolve(&args).is_err());
     }
 }

@@ -16,13 +16,20 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        ApiError { code, message: message.into(), retry_after_ms: None }
+        ApiError {
+            code,
+            message: message.into(),
+            retry_after_ms: None,
+        }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorCode::InvalidArgument, message)
     }
     pub fn unauthorized() -> Self {
-        Self::new(ErrorCode::Unauthorized, "missing, malformed, expired or revoked token")
+        Self::new(
+            ErrorCode::Unauthorized,
+            "missing, malformed, expired or revoked token",
+        )
     }
     pub fn not_member() -> Self {
         Self::new(ErrorCode::NotMember, "not a member of this conversation")
@@ -31,7 +38,11 @@ impl ApiError {
         Self::new(ErrorCode::NotFound, format!("{what} not found"))
     }
     pub fn body(&self) -> ErrorBody {
-        ErrorBody { code: self.code, message: self.message.clone(), retry_after_ms: self.retry_after_ms }
+        ErrorBody {
+            code: self.code,
+            message: self.message.clone(),
+            retry_after_ms: self.retry_after_ms,
+        }
     }
     /// The error as a WebSocket frame answering request `req`.
     pub fn frame(&self, req: Option<i64>) -> String {
@@ -55,7 +66,9 @@ impl From<PipelineError> for ApiError {
     fn from(e: PipelineError) -> Self {
         match e {
             PipelineError::Domain(d) => d.into(),
-            PipelineError::Unavailable => ApiError::new(ErrorCode::Unavailable, "temporarily unavailable; retry"),
+            PipelineError::Unavailable => {
+                ApiError::new(ErrorCode::Unavailable, "temporarily unavailable; retry")
+            }
         }
     }
 }
@@ -75,7 +88,8 @@ impl From<IdError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = StatusCode::from_u16(self.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         metrics::counter!("pigeon_http_errors_total", "code" => self.code.as_str()).increment(1);
         (status, axum::Json(self.body())).into_response()
     }

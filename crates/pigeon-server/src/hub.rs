@@ -48,7 +48,14 @@ pub enum KillReason {
 impl Outbox {
     pub fn new() -> (Outbox, mpsc::Receiver<Outgoing>) {
         let (tx, rx) = mpsc::channel(OUTBOX_CAPACITY);
-        (Outbox { tx, kill: Arc::new(Notify::new()), kill_reason: Arc::new(Mutex::new(None)) }, rx)
+        (
+            Outbox {
+                tx,
+                kill: Arc::new(Notify::new()),
+                kill_reason: Arc::new(Mutex::new(None)),
+            },
+            rx,
+        )
     }
 
     /// Queues without waiting; a full outbox closes the connection.
@@ -127,16 +134,33 @@ impl Hub {
         self.connections.load(Ordering::Relaxed)
     }
 
-    pub fn register(self: &Arc<Self>, user: UserId, device: DeviceId, outbox: Outbox) -> Registration {
+    pub fn register(
+        self: &Arc<Self>,
+        user: UserId,
+        device: DeviceId,
+        outbox: Outbox,
+    ) -> Registration {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.shard(user).write().expect("hub shard lock").entry(user).or_default().push(Conn { id, device, outbox });
+        self.shard(user)
+            .write()
+            .expect("hub shard lock")
+            .entry(user)
+            .or_default()
+            .push(Conn { id, device, outbox });
         self.connections.fetch_add(1, Ordering::Relaxed);
         metrics::gauge!("pigeon_connections").increment(1.0);
-        Registration { hub: self.clone(), user, id }
+        Registration {
+            hub: self.clone(),
+            user,
+            id,
+        }
     }
 
     pub fn is_online(&self, user: UserId) -> bool {
-        self.shard(user).read().expect("hub shard lock").contains_key(&user)
+        self.shard(user)
+            .read()
+            .expect("hub shard lock")
+            .contains_key(&user)
     }
 
     /// Calls `f` with each connected device of `user`.
@@ -147,7 +171,12 @@ impl Hub {
     }
 
     /// Sends `frame` to every device of each user, except `except_device` of `except_user`.
-    pub fn send_to_users(&self, users: &[UserId], frame: &str, except: Option<(UserId, &DeviceId)>) {
+    pub fn send_to_users(
+        &self,
+        users: &[UserId],
+        frame: &str,
+        except: Option<(UserId, &DeviceId)>,
+    ) {
         for u in users {
             self.each(*u, |c| {
                 if except.is_some_and(|(eu, ed)| eu == *u && *ed == c.device) {
@@ -162,7 +191,10 @@ impl Hub {
     pub fn publish(&self, events: Vec<Event>) {
         for ev in events {
             match ev {
-                Event::Message { message, recipients } => {
+                Event::Message {
+                    message,
+                    recipients,
+                } => {
                     let json = serde_json::to_string(&*message).expect("messages serialise");
                     let conv = ConversationId::parse(&message.conversation_id).ok();
                     for (user, user_seq) in recipients {
@@ -173,20 +205,51 @@ impl Hub {
                             (None, None) => continue,
                         };
                         let frame = msg_frame(&json, user_seq);
-                        self.each(user, |c| c.outbox.send(Outgoing::Push { chain: chain.clone(), frame: frame.clone() }));
+                        self.each(user, |c| {
+                            c.outbox.send(Outgoing::Push {
+                                chain: chain.clone(),
+                                frame: frame.clone(),
+                            })
+                        });
                     }
                     metrics::counter!("pigeon_messages_pushed_total").increment(1);
                 }
-                Event::Receipt { conversation, user, last_read_seq, to, except_device } => {
-                    let frame = ServerFrame::Receipt { conversation_id: conversation, user_id: user, last_read_seq }.to_json();
+                Event::Receipt {
+                    conversation,
+                    user,
+                    last_read_seq,
+                    to,
+                    except_device,
+                } => {
+                    let frame = ServerFrame::Receipt {
+                        conversation_id: conversation,
+                        user_id: user,
+                        last_read_seq,
+                    }
+                    .to_json();
                     self.send_to_users(&to, &frame, except_device.as_ref().map(|d| (user, d)));
                 }
-                Event::SettingsChanged { user, conversation, pinned, muted, hidden } => {
-                    let frame = ServerFrame::ConversationUpdated { conversation_id: conversation, pinned, muted, hidden }.to_json();
+                Event::SettingsChanged {
+                    user,
+                    conversation,
+                    pinned,
+                    muted,
+                    hidden,
+                } => {
+                    let frame = ServerFrame::ConversationUpdated {
+                        conversation_id: conversation,
+                        pinned,
+                        muted,
+                        hidden,
+                    }
+                    .to_json();
                     self.send_to_users(&[user], &frame, None);
                 }
                 Event::LoggedOut { user } => {
-                    let frame = ServerFrame::Kicked { reason: "token_revoked".into() }.to_json();
+                    let frame = ServerFrame::Kicked {
+                        reason: "token_revoked".into(),
+                    }
+                    .to_json();
                     self.each(user, |c| {
                         c.outbox.send(Outgoing::Frame(frame.clone()));
                         c.outbox.close(KillReason::TokenRevoked);
@@ -200,7 +263,12 @@ impl Hub {
     /// The notifier a long poll of `user` waits on.
     pub fn waiter(&self, user: UserId) -> Arc<Notify> {
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        self.waiters.lock().expect("waiters lock").entry(user).or_default().clone()
+        self.waiters
+            .lock()
+            .expect("waiters lock")
+            .entry(user)
+            .or_default()
+            .clone()
     }
 
     /// Drops `user`'s notifier when no long poll holds it any more.

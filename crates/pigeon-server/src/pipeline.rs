@@ -53,7 +53,11 @@ pub struct Pipeline {
 
 impl Pipeline {
     /// Starts the pipeline task over `store` and the delivery task over `hub`.
-    pub fn start(store: Arc<dyn Store>, engine: Engine, hub: Arc<Hub>) -> (Pipeline, tokio::task::JoinHandle<()>) {
+    pub fn start(
+        store: Arc<dyn Store>,
+        engine: Engine,
+        hub: Arc<Hub>,
+    ) -> (Pipeline, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let (dtx, drx) = mpsc::channel(64);
         tokio::spawn(deliver(drx, hub));
@@ -70,7 +74,10 @@ impl Pipeline {
 
     /// Queues a command; waits only while the queue is full.
     pub async fn submit(&self, cmd: Command, reply: ReplyTo) -> Result<(), PipelineError> {
-        self.tx.send(Envelope { cmd, reply }).await.map_err(|_| PipelineError::Unavailable)
+        self.tx
+            .send(Envelope { cmd, reply })
+            .await
+            .map_err(|_| PipelineError::Unavailable)
     }
 }
 
@@ -80,11 +87,17 @@ struct Delivery {
     events: Vec<Event>,
 }
 
-async fn run(store: Arc<dyn Store>, mut engine: Engine, mut rx: mpsc::Receiver<Envelope>, delivery: mpsc::Sender<Delivery>) {
+async fn run(
+    store: Arc<dyn Store>,
+    mut engine: Engine,
+    mut rx: mpsc::Receiver<Envelope>,
+    delivery: mpsc::Sender<Delivery>,
+) {
     let mut batch: Vec<Envelope> = Vec::with_capacity(MAX_BATCH);
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
         let started = Instant::now();
-        let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) = batch.drain(..).map(|e| (e.cmd, e.reply)).unzip();
+        let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) =
+            batch.drain(..).map(|e| (e.cmd, e.reply)).unzip();
         let n = cmds.len();
         if let Err(e) = load(&*store, &mut engine, &cmds).await {
             tracing::error!(error = %e, batch = n, "loading state failed; batch refused");
@@ -95,11 +108,17 @@ async fn run(store: Arc<dyn Store>, mut engine: Engine, mut rx: mpsc::Receiver<E
         let now = now_ms();
         let mut changes = Changes::default();
         let mut events = Vec::new();
-        let results: Vec<Result<Reply, DomainError>> =
-            cmds.into_iter().map(|cmd| engine.apply(cmd, now, &mut changes, &mut events)).collect();
+        let results: Vec<Result<Reply, DomainError>> = cmds
+            .into_iter()
+            .map(|cmd| engine.apply(cmd, now, &mut changes, &mut events))
+            .collect();
         engine.seal(&mut changes);
         let messages = changes.messages.len();
-        let committed = if changes.is_empty() { Ok(()) } else { store.commit(changes).await };
+        let committed = if changes.is_empty() {
+            Ok(())
+        } else {
+            store.commit(changes).await
+        };
         if let Err(e) = committed {
             tracing::error!(error = %e, batch = n, "commit failed; batch refused and state reloaded");
             engine.reset();
@@ -124,14 +143,25 @@ async fn run(store: Arc<dyn Store>, mut engine: Engine, mut rx: mpsc::Receiver<E
                 ReplyTo::Nobody => {}
             }
         }
-        if delivery.send(Delivery { replies: conn_replies, events }).await.is_err() {
+        if delivery
+            .send(Delivery {
+                replies: conn_replies,
+                events,
+            })
+            .await
+            .is_err()
+        {
             tracing::error!("delivery task is gone");
             return;
         }
     }
 }
 
-async fn load(store: &dyn Store, engine: &mut Engine, cmds: &[Command]) -> Result<(), pigeon_core::StoreError> {
+async fn load(
+    store: &dyn Store,
+    engine: &mut Engine,
+    cmds: &[Command],
+) -> Result<(), pigeon_core::StoreError> {
     // A recall needs its message before its conversation: at most a few rounds.
     for _ in 0..4 {
         let needs = engine.needs(cmds);
@@ -151,7 +181,10 @@ fn answer_all_unavailable(replies: Vec<ReplyTo>) {
                 let _ = tx.send(Err(PipelineError::Unavailable));
             }
             ReplyTo::Connection { outbox, req } => {
-                outbox.send(Outgoing::Frame(error_frame(req, &PipelineError::Unavailable)));
+                outbox.send(Outgoing::Frame(error_frame(
+                    req,
+                    &PipelineError::Unavailable,
+                )));
             }
             ReplyTo::Nobody => {}
         }
@@ -173,7 +206,13 @@ pub fn error_frame(req: Option<i64>, e: &PipelineError) -> String {
         PipelineError::Domain(d) => (d.code(), d.to_string()),
         PipelineError::Unavailable => (pigeon_proto::ErrorCode::Unavailable, e.to_string()),
     };
-    ServerFrame::Error { req, code, message, retry_after_ms: None }.to_json()
+    ServerFrame::Error {
+        req,
+        code,
+        message,
+        retry_after_ms: None,
+    }
+    .to_json()
 }
 
 async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
@@ -186,5 +225,7 @@ async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
 }
 
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }

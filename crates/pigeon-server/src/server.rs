@@ -20,7 +20,10 @@ pub enum StartError {
     #[error("{0}")]
     Store(#[from] pigeon_core::StoreError),
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 /// A server that is accepting connections.
@@ -37,7 +40,10 @@ fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
     HANDLE
         .get_or_init(|| {
             let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
-                .set_buckets(&[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 100.0, 1000.0])
+                .set_buckets(&[
+                    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+                    100.0, 1000.0,
+                ])
                 .expect("bucket list is not empty")
                 .build_recorder();
             let handle = recorder.handle();
@@ -48,7 +54,11 @@ fn metrics_handle() -> metrics_exporter_prometheus::PrometheusHandle {
         .clone()
 }
 
-async fn secret(store: &dyn Store, key: &str, configured: Option<&str>) -> Result<(String, bool), StartError> {
+async fn secret(
+    store: &dyn Store,
+    key: &str,
+    configured: Option<&str>,
+) -> Result<(String, bool), StartError> {
     if let Some(v) = configured {
         return Ok((v.to_owned(), false));
     }
@@ -67,9 +77,13 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         DurabilityMode::Os => Durability::Os,
     };
     let dir = cfg.data_dir.clone();
-    let store: Arc<dyn Store> =
-        Arc::new(tokio::task::spawn_blocking(move || SqliteStore::open(&dir, durability)).await.map_err(|e| pigeon_core::StoreError(e.to_string()))??);
-    let (admin_key, admin_key_generated) = secret(&*store, "admin_key", cfg.admin_key.as_deref()).await?;
+    let store: Arc<dyn Store> = Arc::new(
+        tokio::task::spawn_blocking(move || SqliteStore::open(&dir, durability))
+            .await
+            .map_err(|e| pigeon_core::StoreError(e.to_string()))??,
+    );
+    let (admin_key, admin_key_generated) =
+        secret(&*store, "admin_key", cfg.admin_key.as_deref()).await?;
     let (token_secret, _) = secret(&*store, "token_secret", None).await?;
     let engine_cfg = EngineConfig {
         fanout_write_max_members: cfg.fanout_write_max_members,
@@ -80,8 +94,16 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     let engine = Engine::new(engine_cfg, store.max_msg_id().await?);
     let hub = Arc::new(Hub::default());
     let (pipeline, _pipeline_task) = Pipeline::start(store.clone(), engine, hub.clone());
-    let listener = tokio::net::TcpListener::bind(cfg.listen).await.map_err(|source| StartError::Bind { addr: cfg.listen, source })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: cfg.listen, source })?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: cfg.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let app = Arc::new(App {
         cfg,
@@ -100,12 +122,20 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         let graceful = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(graceful).await {
+        if let Err(e) = axum::serve(listener, router)
+            .with_graceful_shutdown(graceful)
+            .await
+        {
             tracing::error!(error = %e, "server stopped with an error");
         }
     });
     tracing::info!(%addr, "pigeon is listening");
-    Ok(Running { app, addr, admin_key_generated, serve })
+    Ok(Running {
+        app,
+        addr,
+        admin_key_generated,
+        serve,
+    })
 }
 
 impl Running {

@@ -67,19 +67,34 @@ async fn authorize(
     params: Result<Query<WsParams>, axum::extract::rejection::QueryRejection>,
 ) -> Result<(UserId, DeviceId), ApiError> {
     if app.is_draining() {
-        return Err(ApiError::new(ErrorCode::Unavailable, "server is shutting down"));
+        return Err(ApiError::new(
+            ErrorCode::Unavailable,
+            "server is shutting down",
+        ));
     }
     let Query(p) = params.map_err(|e| ApiError::invalid(e.body_text()))?;
-    let header_token = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
-    let token = header_token.or(p.token.as_deref()).ok_or_else(ApiError::unauthorized)?;
+    let header_token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer);
+    let token = header_token
+        .or(p.token.as_deref())
+        .ok_or_else(ApiError::unauthorized)?;
     let user = app.authenticate(token).await?;
-    let device = DeviceId::parse(p.device_id.as_deref().unwrap_or("")).map_err(|e| ApiError::invalid(e.0))?;
+    let device = DeviceId::parse(p.device_id.as_deref().unwrap_or(""))
+        .map_err(|e| ApiError::invalid(e.0))?;
     if let Some(pl) = p.platform.as_deref()
-        && !matches!(pl, "ios" | "android" | "web" | "desktop") {
-            return Err(ApiError::invalid("platform must be ios, android, web or desktop"));
-        }
+        && !matches!(pl, "ios" | "android" | "web" | "desktop")
+    {
+        return Err(ApiError::invalid(
+            "platform must be ios, android, web or desktop",
+        ));
+    }
     if app.hub.connection_count() >= app.cfg.max_connections {
-        return Err(ApiError::new(ErrorCode::Unavailable, "too many connections; retry later"));
+        return Err(ApiError::new(
+            ErrorCode::Unavailable,
+            "too many connections; retry later",
+        ));
     }
     Ok((user, device))
 }
@@ -147,7 +162,11 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
         heartbeat_ms: app.cfg.heartbeat_ms,
         user_seq: head,
     };
-    if sink.send(WsMessage::Text(hello.to_json().into())).await.is_err() {
+    if sink
+        .send(WsMessage::Text(hello.to_json().into()))
+        .await
+        .is_err()
+    {
         return;
     }
     let heartbeat = Duration::from_millis(app.cfg.heartbeat_ms);
@@ -255,12 +274,18 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
 }
 
 fn close(code: u16, reason: &'static str) -> WsMessage {
-    WsMessage::Close(Some(CloseFrame { code, reason: reason.into() }))
+    WsMessage::Close(Some(CloseFrame {
+        code,
+        reason: reason.into(),
+    }))
 }
 
 fn is_too_big(e: &axum::Error) -> bool {
     let text = e.to_string();
-    text.contains("too long") || text.contains("too big") || text.contains("Space limit") || text.contains("capacity")
+    text.contains("too long")
+        || text.contains("too big")
+        || text.contains("Space limit")
+        || text.contains("capacity")
 }
 
 impl Connection {
@@ -272,7 +297,14 @@ impl Connection {
                 if self.unacked.len() >= MAX_UNACKED {
                     self.unacked.pop_first();
                 }
-                self.unacked.insert(chain, Pending { frame: frame.clone(), sent_at: Instant::now(), tries: 1 });
+                self.unacked.insert(
+                    chain,
+                    Pending {
+                        frame: frame.clone(),
+                        sent_at: Instant::now(),
+                        tries: 1,
+                    },
+                );
                 Some(frame)
             }
         }
@@ -313,7 +345,9 @@ impl Connection {
     /// Handles one text frame; returns the frames to write at once, in order.
     async fn handle_text(&mut self, text: &str) -> Vec<String> {
         if text.len() > MAX_FRAME_BYTES {
-            return vec![ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(None)];
+            return vec![
+                ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(None),
+            ];
         }
         let value: serde_json::Value = match serde_json::from_str(text) {
             Ok(v) => v,
@@ -323,12 +357,17 @@ impl Connection {
             return self.bad_frame(None, "frame must be a JSON object");
         };
         let req = obj.get("req").and_then(|r| r.as_i64());
-        if obj.get("req").is_some_and(|r| !r.is_null() && r.as_i64().is_none()) {
+        if obj
+            .get("req")
+            .is_some_and(|r| !r.is_null() && r.as_i64().is_none())
+        {
             return self.bad_frame(None, "req must be an integer");
         }
         match obj.get("type").and_then(|t| t.as_str()) {
             None => return self.bad_frame(req, "frame needs a string type"),
-            Some(t) if !KNOWN_TYPES.contains(&t) => return self.bad_frame(req, &format!("unknown frame type {t:?}")),
+            Some(t) if !KNOWN_TYPES.contains(&t) => {
+                return self.bad_frame(req, &format!("unknown frame type {t:?}"));
+            }
             _ => {}
         }
         let frame: ClientFrame = match serde_json::from_value(value) {
@@ -348,12 +387,19 @@ impl Connection {
         }
     }
 
-    async fn dispatch(&mut self, frame: ClientFrame, req: Option<i64>) -> Result<Vec<String>, ApiError> {
+    async fn dispatch(
+        &mut self,
+        frame: ClientFrame,
+        req: Option<i64>,
+    ) -> Result<Vec<String>, ApiError> {
         let app = self.app.clone();
         match frame {
             ClientFrame::Send(s) => {
                 let cmd = validate_send(self.user, s, app.limits())?;
-                let reply = ReplyTo::Connection { outbox: self.outbox.clone(), req };
+                let reply = ReplyTo::Connection {
+                    outbox: self.outbox.clone(),
+                    req,
+                };
                 app.pipeline.submit(Command::Send(cmd), reply).await?;
                 Ok(Vec::new())
             }
@@ -364,22 +410,50 @@ impl Connection {
             ClientFrame::Sync(f) => {
                 self.flush_cursors(true).await;
                 let s = app.sync(self.user, &self.device, &f).await?;
-                let frame = ServerFrame::SyncResult { req, user_seq: s.user_seq, cursor: s.cursor, conversations: s.conversations };
+                let frame = ServerFrame::SyncResult {
+                    req,
+                    user_seq: s.user_seq,
+                    cursor: s.cursor,
+                    conversations: s.conversations,
+                };
                 Ok(vec![frame.to_json()])
             }
             ClientFrame::Pull(f) => {
                 self.flush_cursors(true).await;
                 let (items, has_more) = app.pull(self.user, &self.device, &f).await?;
-                Ok(vec![ServerFrame::PullResult { req, items, has_more }.to_json()])
+                Ok(vec![
+                    ServerFrame::PullResult {
+                        req,
+                        items,
+                        has_more,
+                    }
+                    .to_json(),
+                ])
             }
             ClientFrame::Read(r) => {
-                let cmd = Command::Read { user: self.user, conversation: r.conversation_id, seq: r.seq, from_device: Some(self.device.clone()) };
-                app.pipeline.submit(cmd, ReplyTo::Connection { outbox: self.outbox.clone(), req }).await?;
+                let cmd = Command::Read {
+                    user: self.user,
+                    conversation: r.conversation_id,
+                    seq: r.seq,
+                    from_device: Some(self.device.clone()),
+                };
+                app.pipeline
+                    .submit(
+                        cmd,
+                        ReplyTo::Connection {
+                            outbox: self.outbox.clone(),
+                            req,
+                        },
+                    )
+                    .await?;
                 Ok(Vec::new())
             }
             ClientFrame::Typing(t) => {
                 let now = Instant::now();
-                let recent = self.typing_last.get(&t.conversation_id).is_some_and(|at| now.duration_since(*at) < Duration::from_secs(1));
+                let recent = self
+                    .typing_last
+                    .get(&t.conversation_id)
+                    .is_some_and(|at| now.duration_since(*at) < Duration::from_secs(1));
                 if !recent {
                     if self.typing_last.len() > 256 {
                         self.typing_last.clear();
@@ -389,9 +463,18 @@ impl Connection {
                 }
                 Ok(Vec::new())
             }
-            ClientFrame::Ping => Ok(vec![ServerFrame::Pong { req, server_time: now_ms() }.to_json()]),
+            ClientFrame::Ping => Ok(vec![
+                ServerFrame::Pong {
+                    req,
+                    server_time: now_ms(),
+                }
+                .to_json(),
+            ]),
             ClientFrame::RoomJoin(_) | ClientFrame::RoomLeave(_) | ClientFrame::RoomSend(_) => {
-                Err(ApiError::new(ErrorCode::Unavailable, "live rooms are not enabled on this server"))
+                Err(ApiError::new(
+                    ErrorCode::Unavailable,
+                    "live rooms are not enabled on this server",
+                ))
             }
         }
     }
@@ -400,21 +483,30 @@ impl Connection {
     fn ack(&mut self, a: AckFrame) -> Result<(), ApiError> {
         let mut any = false;
         if let Some(us) = a.user_seq {
-            self.unacked.retain(|k, _| !matches!(k, PushChain::Inbox(s) if *s <= us));
+            self.unacked
+                .retain(|k, _| !matches!(k, PushChain::Inbox(s) if *s <= us));
             self.advance("user", us);
             any = true;
         }
         match (a.conversation_id, a.seq) {
             (Some(conv), Some(seq)) => {
-                self.unacked.retain(|k, _| !matches!(k, PushChain::Conversation(c, s) if *c == conv && *s <= seq));
+                self.unacked.retain(
+                    |k, _| !matches!(k, PushChain::Conversation(c, s) if *c == conv && *s <= seq),
+                );
                 self.advance(conv.as_str(), seq);
                 any = true;
             }
             (None, None) => {}
-            _ => return Err(ApiError::invalid("ack by conversation needs both conversation_id and seq")),
+            _ => {
+                return Err(ApiError::invalid(
+                    "ack by conversation needs both conversation_id and seq",
+                ));
+            }
         }
         if !any {
-            return Err(ApiError::invalid("ack needs user_seq, or conversation_id and seq"));
+            return Err(ApiError::invalid(
+                "ack needs user_seq, or conversation_id and seq",
+            ));
         }
         Ok(())
     }
@@ -447,7 +539,12 @@ impl Connection {
                     Err(_) => continue,
                 }
             };
-            cmds.push(Command::AdvanceCursor { user: self.user, device: self.device.clone(), chain, seq });
+            cmds.push(Command::AdvanceCursor {
+                user: self.user,
+                device: self.device.clone(),
+                chain,
+                seq,
+            });
         }
         for cmd in cmds {
             if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
@@ -455,11 +552,21 @@ impl Connection {
             }
         }
         // The pipeline is FIFO: once the barrier is answered, the cursors are committed.
-        if wait
-            && let Err(e) = self.app.pipeline.call(Command::Flush).await {
-                tracing::warn!(error = %e, user = %self.user, "cursor flush not confirmed");
-            }
+        if wait && let Err(e) = self.app.pipeline.call(Command::Flush).await {
+            tracing::warn!(error = %e, user = %self.user, "cursor flush not confirmed");
+        }
     }
 }
 
-const KNOWN_TYPES: &[&str] = &["send", "ack", "sync", "pull", "read", "typing", "ping", "room_join", "room_leave", "room_send"];
+const KNOWN_TYPES: &[&str] = &[
+    "send",
+    "ack",
+    "sync",
+    "pull",
+    "read",
+    "typing",
+    "ping",
+    "room_join",
+    "room_leave",
+    "room_send",
+];

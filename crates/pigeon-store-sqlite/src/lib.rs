@@ -11,7 +11,8 @@ mod write;
 use async_trait::async_trait;
 use pigeon_core::changes::Changes;
 use pigeon_core::store::{
-    AuditedMessage, HistoryQuery, ListCursor, Loaded, Membership, Needs, Store, StoreError, UserRecord,
+    AuditedMessage, HistoryQuery, ListCursor, Loaded, Membership, Needs, Store, StoreError,
+    UserRecord,
 };
 use pigeon_proto::frames::SyncConversation;
 use pigeon_proto::views::{ChainItem, ConversationView, MemberView, VersionView};
@@ -53,29 +54,48 @@ fn err(e: impl std::fmt::Display) -> StoreError {
 impl SqliteStore {
     /// Opens (creating if needed) `dir/pigeon.db` and applies pending migrations.
     pub fn open(dir: &Path, durability: Durability) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(dir).map_err(|e| StoreError(format!("create {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| StoreError(format!("create {}: {e}", dir.display())))?;
         let path = dir.join("pigeon.db");
         let mut writer = Connection::open(&path).map_err(err)?;
-        writer.pragma_update(None, "journal_mode", "WAL").map_err(err)?;
+        writer
+            .pragma_update(None, "journal_mode", "WAL")
+            .map_err(err)?;
         let sync = match durability {
             Durability::Fsync => "FULL",
             Durability::Os => "OFF",
         };
-        writer.pragma_update(None, "synchronous", sync).map_err(err)?;
-        writer.pragma_update(None, "busy_timeout", 5000).map_err(err)?;
-        writer.pragma_update(None, "cache_size", -64_000).map_err(err)?;
-        writer.pragma_update(None, "wal_autocheckpoint", 4000).map_err(err)?;
+        writer
+            .pragma_update(None, "synchronous", sync)
+            .map_err(err)?;
+        writer
+            .pragma_update(None, "busy_timeout", 5000)
+            .map_err(err)?;
+        writer
+            .pragma_update(None, "cache_size", -64_000)
+            .map_err(err)?;
+        writer
+            .pragma_update(None, "wal_autocheckpoint", 4000)
+            .map_err(err)?;
         schema::migrate(&mut writer).map_err(err)?;
         Ok(SqliteStore {
-            inner: Arc::new(Inner { path, writer: Mutex::new(writer), readers: Mutex::new(Vec::new()) }),
+            inner: Arc::new(Inner {
+                path,
+                writer: Mutex::new(writer),
+                readers: Mutex::new(Vec::new()),
+            }),
         })
     }
 
     fn open_reader(&self) -> Result<Connection, StoreError> {
-        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+            | OpenFlags::SQLITE_OPEN_URI;
         let conn = Connection::open_with_flags(&self.inner.path, flags).map_err(err)?;
-        conn.pragma_update(None, "busy_timeout", 5000).map_err(err)?;
-        conn.pragma_update(None, "cache_size", -16_000).map_err(err)?;
+        conn.pragma_update(None, "busy_timeout", 5000)
+            .map_err(err)?;
+        conn.pragma_update(None, "cache_size", -16_000)
+            .map_err(err)?;
         Ok(conn)
     }
 
@@ -130,9 +150,13 @@ impl Store for SqliteStore {
     }
 
     async fn max_msg_id(&self) -> Result<u64, StoreError> {
-        self.read(|c| c.query_row("SELECT coalesce(max(msg_id), 0) FROM messages", [], |r| r.get::<_, i64>(0)))
-            .await
-            .map(|v| v as u64)
+        self.read(|c| {
+            c.query_row("SELECT coalesce(max(msg_id), 0) FROM messages", [], |r| {
+                r.get::<_, i64>(0)
+            })
+        })
+        .await
+        .map(|v| v as u64)
     }
 
     async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError> {
@@ -153,7 +177,11 @@ impl Store for SqliteStore {
         self.read(move |c| read::user(c, user)).await
     }
 
-    async fn membership(&self, conv: &ConversationId, user: UserId) -> Result<Option<Membership>, StoreError> {
+    async fn membership(
+        &self,
+        conv: &ConversationId,
+        user: UserId,
+    ) -> Result<Option<Membership>, StoreError> {
         let conv = conv.clone();
         self.read(move |c| read::membership(c, &conv, user)).await
     }
@@ -166,7 +194,8 @@ impl Store for SqliteStore {
         query: HistoryQuery,
     ) -> Result<(Vec<Message>, bool), StoreError> {
         let conv = conv.clone();
-        self.read(move |c| read::history(c, &conv, reader, range, query)).await
+        self.read(move |c| read::history(c, &conv, reader, range, query))
+            .await
     }
 
     async fn conversations(
@@ -178,12 +207,28 @@ impl Store for SqliteStore {
         include_hidden: bool,
     ) -> Result<Vec<ConversationView>, StoreError> {
         let only = only.cloned();
-        self.read(move |c| read::conversations(c, user, only.as_ref(), after.as_ref(), limit, include_hidden)).await
+        self.read(move |c| {
+            read::conversations(
+                c,
+                user,
+                only.as_ref(),
+                after.as_ref(),
+                limit,
+                include_hidden,
+            )
+        })
+        .await
     }
 
-    async fn members(&self, conv: &ConversationId, after: Option<UserId>, limit: u32) -> Result<Vec<MemberView>, StoreError> {
+    async fn members(
+        &self,
+        conv: &ConversationId,
+        after: Option<UserId>,
+        limit: u32,
+    ) -> Result<Vec<MemberView>, StoreError> {
         let conv = conv.clone();
-        self.read(move |c| read::members(c, &conv, after, limit)).await
+        self.read(move |c| read::members(c, &conv, after, limit))
+            .await
     }
 
     async fn message(&self, msg_id: MsgId) -> Result<Option<AuditedMessage>, StoreError> {
@@ -195,20 +240,29 @@ impl Store for SqliteStore {
     }
 
     async fn is_hidden_for(&self, user: UserId, msg_id: MsgId) -> Result<bool, StoreError> {
-        self.read(move |c| read::is_hidden_for(c, user, msg_id)).await
+        self.read(move |c| read::is_hidden_for(c, user, msg_id))
+            .await
     }
 
     async fn inbox_head(&self, user: UserId) -> Result<u64, StoreError> {
         self.read(move |c| read::inbox_head(c, user)).await
     }
 
-    async fn pull_inbox(&self, user: UserId, from: u64, to: u64, limit: u32) -> Result<(Vec<ChainItem>, bool), StoreError> {
-        self.read(move |c| read::pull_inbox(c, user, from, to, limit)).await
+    async fn pull_inbox(
+        &self,
+        user: UserId,
+        from: u64,
+        to: u64,
+        limit: u32,
+    ) -> Result<(Vec<ChainItem>, bool), StoreError> {
+        self.read(move |c| read::pull_inbox(c, user, from, to, limit))
+            .await
     }
 
     async fn cursor(&self, user: UserId, device: &str, chain: &str) -> Result<u64, StoreError> {
         let (device, chain) = (device.to_owned(), chain.to_owned());
-        self.read(move |c| read::cursor(c, user, &device, &chain)).await
+        self.read(move |c| read::cursor(c, user, &device, &chain))
+            .await
     }
 
     async fn read_fanout_changes(
@@ -218,14 +272,19 @@ impl Store for SqliteStore {
         given: &HashMap<String, u64>,
     ) -> Result<Vec<SyncConversation>, StoreError> {
         let (device, given) = (device.to_owned(), given.clone());
-        self.read(move |c| read::read_fanout_changes(c, user, &device, &given)).await
+        self.read(move |c| read::read_fanout_changes(c, user, &device, &given))
+            .await
     }
 
     async fn unread(&self, user: UserId) -> Result<Vec<(ConversationId, u64, bool)>, StoreError> {
         self.read(move |c| read::unread(c, user)).await
     }
 
-    async fn receipts(&self, conv: &ConversationId, seq: u64) -> Result<(Vec<UserId>, Vec<UserId>), StoreError> {
+    async fn receipts(
+        &self,
+        conv: &ConversationId,
+        seq: u64,
+    ) -> Result<(Vec<UserId>, Vec<UserId>), StoreError> {
         let conv = conv.clone();
         self.read(move |c| read::receipts(c, &conv, seq)).await
     }

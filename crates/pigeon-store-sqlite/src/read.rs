@@ -1,10 +1,14 @@
 //! The read side: history pages, the conversation list, pulls, unread counts and receipts.
 //! Every history read walks the (conversation_id, seq) index; nothing uses OFFSET.
 
-use crate::rows::{self, MESSAGE_COLUMNS, MESSAGE_COLUMN_COUNT};
-use pigeon_core::store::{AuditedMessage, HistoryAnchor, HistoryQuery, ListCursor, Membership, UserRecord};
+use crate::rows::{self, MESSAGE_COLUMN_COUNT, MESSAGE_COLUMNS};
+use pigeon_core::store::{
+    AuditedMessage, HistoryAnchor, HistoryQuery, ListCursor, Membership, UserRecord,
+};
 use pigeon_proto::frames::SyncConversation;
-use pigeon_proto::views::{ChainItem, ConversationType, ConversationView, Fanout, MemberView, VersionView};
+use pigeon_proto::views::{
+    ChainItem, ConversationType, ConversationView, Fanout, MemberView, VersionView,
+};
 use pigeon_proto::{ConversationId, Message, MsgId, UserId};
 use rusqlite::{Connection, OptionalExtension, params};
 use std::collections::HashMap;
@@ -15,18 +19,28 @@ const UNREAD_SQL: &str = "SELECT count(*) FROM messages m WHERE m.conversation_i
      AND NOT EXISTS (SELECT 1 FROM hidden_messages h WHERE h.user_id = ?4 AND h.msg_id = m.msg_id)";
 
 pub fn meta_get(c: &Connection, key: &str) -> rusqlite::Result<Option<String>> {
-    c.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0)).optional()
+    c.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
+        .optional()
 }
 
 pub fn user(c: &Connection, user: UserId) -> rusqlite::Result<Option<UserRecord>> {
     c.prepare_cached("SELECT name, avatar, token_gen FROM users WHERE user_id = ?1")?
         .query_row([user.get() as i64], |r| {
-            Ok(UserRecord { user_id: user, name: r.get(0)?, avatar: r.get(1)?, token_gen: r.get::<_, i64>(2)? as u64 })
+            Ok(UserRecord {
+                user_id: user,
+                name: r.get(0)?,
+                avatar: r.get(1)?,
+                token_gen: r.get::<_, i64>(2)? as u64,
+            })
         })
         .optional()
 }
 
-pub fn membership(c: &Connection, conv: &ConversationId, user: UserId) -> rusqlite::Result<Option<Membership>> {
+pub fn membership(
+    c: &Connection,
+    conv: &ConversationId,
+    user: UserId,
+) -> rusqlite::Result<Option<Membership>> {
     c.prepare_cached(
         "SELECT mb.role, mb.joined_seq, mb.left_seq, mb.last_read_seq, c.seq, c.fanout FROM members mb \
          JOIN conversations c ON c.conversation_id = mb.conversation_id WHERE mb.conversation_id = ?1 AND mb.user_id = ?2",
@@ -46,7 +60,9 @@ pub fn membership(c: &Connection, conv: &ConversationId, user: UserId) -> rusqli
 
 /// A message as `reader` sees it, from a row of MESSAGE_COLUMNS followed by a hidden flag.
 fn reader_message(r: &rusqlite::Row, at: usize) -> rusqlite::Result<Message> {
-    let hidden: bool = r.get::<_, Option<i64>>(at + MESSAGE_COLUMN_COUNT)?.is_some();
+    let hidden: bool = r
+        .get::<_, Option<i64>>(at + MESSAGE_COLUMN_COUNT)?
+        .is_some();
     Ok(rows::message(r, at)?.redacted(hidden))
 }
 
@@ -99,15 +115,28 @@ fn message_for(c: &Connection, reader: UserId, msg_id: i64) -> rusqlite::Result<
         "SELECT {MESSAGE_COLUMNS}, h.msg_id FROM messages m \
          LEFT JOIN hidden_messages h ON h.user_id = ?2 AND h.msg_id = m.msg_id WHERE m.msg_id = ?1"
     );
-    c.prepare_cached(&sql)?.query_row(params![msg_id, reader.get() as i64], |r| reader_message(r, 0)).optional()
+    c.prepare_cached(&sql)?
+        .query_row(params![msg_id, reader.get() as i64], |r| {
+            reader_message(r, 0)
+        })
+        .optional()
 }
 
-fn unread_count(c: &Connection, conv: &str, after: u64, upto: u64, reader: UserId) -> rusqlite::Result<u64> {
+fn unread_count(
+    c: &Connection,
+    conv: &str,
+    after: u64,
+    upto: u64,
+    reader: UserId,
+) -> rusqlite::Result<u64> {
     if after >= upto {
         return Ok(0);
     }
     c.prepare_cached(UNREAD_SQL)?
-        .query_row(params![conv, after as i64, upto as i64, reader.get() as i64], |r| r.get::<_, i64>(0))
+        .query_row(
+            params![conv, after as i64, upto as i64, reader.get() as i64],
+            |r| r.get::<_, i64>(0),
+        )
         .map(|n| n as u64)
 }
 
@@ -146,7 +175,11 @@ pub fn conversations(
             |r| {
                 let id: String = r.get(0)?;
                 let conversation_id = ConversationId::parse(&id).map_err(|_| {
-                    rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, "bad id".into())
+                    rusqlite::Error::FromSqlConversionFailure(
+                        0,
+                        rusqlite::types::Type::Text,
+                        "bad id".into(),
+                    )
                 })?;
                 let is_group = r.get::<_, i64>(1)? != 0;
                 let seq = r.get::<_, i64>(2)? as u64;
@@ -155,11 +188,19 @@ pub fn conversations(
                     view: ConversationView {
                         peer: conversation_id.peer_of(user),
                         conversation_id,
-                        kind: if is_group { ConversationType::Group } else { ConversationType::Single },
+                        kind: if is_group {
+                            ConversationType::Group
+                        } else {
+                            ConversationType::Single
+                        },
                         name: r.get(5)?,
                         member_count: r.get::<_, i64>(3)? as u64,
                         seq,
-                        fanout: if r.get::<_, String>(4)? == "read" { Fanout::Read } else { Fanout::Write },
+                        fanout: if r.get::<_, String>(4)? == "read" {
+                            Fanout::Read
+                        } else {
+                            Fanout::Write
+                        },
                         last_message: None,
                         unread: 0,
                         last_read_seq: r.get::<_, i64>(12)? as u64,
@@ -169,7 +210,9 @@ pub fn conversations(
                         hidden: hidden_seq.is_some_and(|h| seq <= h as u64),
                         notice: r.get(6)?,
                         avatar: r.get(7)?,
-                        owner: r.get::<_, Option<i64>>(8)?.and_then(|v| UserId::new(v as u64).ok()),
+                        owner: r
+                            .get::<_, Option<i64>>(8)?
+                            .and_then(|v| UserId::new(v as u64).ok()),
                         dismissed: r.get::<_, i64>(9)? != 0,
                     },
                     last_msg_id: r.get(10)?,
@@ -178,11 +221,21 @@ pub fn conversations(
         )?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let mut out = Vec::with_capacity(raws.len());
-    for Raw { mut view, last_msg_id } in raws {
+    for Raw {
+        mut view,
+        last_msg_id,
+    } in raws
+    {
         if let Some(id) = last_msg_id {
             view.last_message = message_for(c, user, id)?;
         }
-        view.unread = unread_count(c, view.conversation_id.as_str(), view.last_read_seq, view.seq, user)?;
+        view.unread = unread_count(
+            c,
+            view.conversation_id.as_str(),
+            view.last_read_seq,
+            view.seq,
+            user,
+        )?;
         if let Some(peer) = view.peer {
             view.name = self::user(c, peer)?.map(|u| u.name);
         }
@@ -191,46 +244,70 @@ pub fn conversations(
     Ok(out)
 }
 
-pub fn members(c: &Connection, conv: &ConversationId, after: Option<UserId>, limit: u32) -> rusqlite::Result<Vec<MemberView>> {
+pub fn members(
+    c: &Connection,
+    conv: &ConversationId,
+    after: Option<UserId>,
+    limit: u32,
+) -> rusqlite::Result<Vec<MemberView>> {
     let now = now_ms();
     let mut st = c.prepare_cached(
         "SELECT user_id, role, joined_at, mute_until FROM members WHERE conversation_id = ?1 AND left_seq IS NULL \
          AND user_id > ?2 ORDER BY user_id LIMIT ?3",
     )?;
-    st.query_map(params![conv.as_str(), after.map_or(0, |u| u.get() as i64), limit as i64], |r| {
-        Ok(MemberView {
-            user_id: rows::user_id(r, 0)?,
-            role: rows::role(r, 1)?,
-            joined_at: r.get(2)?,
-            muted_until: r.get::<_, Option<i64>>(3)?.filter(|until| *until > now),
-        })
-    })?
+    st.query_map(
+        params![
+            conv.as_str(),
+            after.map_or(0, |u| u.get() as i64),
+            limit as i64
+        ],
+        |r| {
+            Ok(MemberView {
+                user_id: rows::user_id(r, 0)?,
+                role: rows::role(r, 1)?,
+                joined_at: r.get(2)?,
+                muted_until: r.get::<_, Option<i64>>(3)?.filter(|until| *until > now),
+            })
+        },
+    )?
     .collect()
 }
 
 fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }
 
 pub fn audited_message(c: &Connection, msg_id: MsgId) -> rusqlite::Result<Option<AuditedMessage>> {
-    let sql = format!("SELECT {MESSAGE_COLUMNS}, m.recalled_at, m.recalled_by FROM messages m WHERE m.msg_id = ?1");
+    let sql = format!(
+        "SELECT {MESSAGE_COLUMNS}, m.recalled_at, m.recalled_by FROM messages m WHERE m.msg_id = ?1"
+    );
     c.prepare_cached(&sql)?
         .query_row([msg_id.get() as i64], |r| {
             Ok(AuditedMessage {
                 message: rows::message(r, 0)?,
                 recalled_at: r.get(MESSAGE_COLUMN_COUNT)?,
-                recalled_by: r.get::<_, Option<i64>>(MESSAGE_COLUMN_COUNT + 1)?.and_then(|v| UserId::new(v as u64).ok()),
+                recalled_by: r
+                    .get::<_, Option<i64>>(MESSAGE_COLUMN_COUNT + 1)?
+                    .and_then(|v| UserId::new(v as u64).ok()),
             })
         })
         .optional()
 }
 
 pub fn versions(c: &Connection, msg_id: MsgId) -> rusqlite::Result<Vec<VersionView>> {
-    c.prepare_cached("SELECT version, content, at FROM message_versions WHERE msg_id = ?1 ORDER BY version")?
-        .query_map([msg_id.get() as i64], |r| {
-            Ok(VersionView { version: r.get::<_, i64>(0)? as u32, content: r.get(1)?, at: r.get(2)? })
-        })?
-        .collect()
+    c.prepare_cached(
+        "SELECT version, content, at FROM message_versions WHERE msg_id = ?1 ORDER BY version",
+    )?
+    .query_map([msg_id.get() as i64], |r| {
+        Ok(VersionView {
+            version: r.get::<_, i64>(0)? as u32,
+            content: r.get(1)?,
+            at: r.get(2)?,
+        })
+    })?
+    .collect()
 }
 
 pub fn is_hidden_for(c: &Connection, user: UserId, msg_id: MsgId) -> rusqlite::Result<bool> {
@@ -244,7 +321,13 @@ pub fn inbox_head(c: &Connection, user: UserId) -> rusqlite::Result<u64> {
         .map(|v| v as u64)
 }
 
-pub fn pull_inbox(c: &Connection, user: UserId, from: u64, to: u64, limit: u32) -> rusqlite::Result<(Vec<ChainItem>, bool)> {
+pub fn pull_inbox(
+    c: &Connection,
+    user: UserId,
+    from: u64,
+    to: u64,
+    limit: u32,
+) -> rusqlite::Result<(Vec<ChainItem>, bool)> {
     if from > to || limit == 0 {
         return Ok((Vec::new(), false));
     }
@@ -255,9 +338,15 @@ pub fn pull_inbox(c: &Connection, user: UserId, from: u64, to: u64, limit: u32) 
     );
     let mut st = c.prepare_cached(&sql)?;
     let mut items = st
-        .query_map(params![user.get() as i64, from as i64, to as i64, limit as i64 + 1], |r| {
-            Ok(ChainItem { seq: r.get::<_, i64>(0)? as u64, message: reader_message(r, 1)? })
-        })?
+        .query_map(
+            params![user.get() as i64, from as i64, to as i64, limit as i64 + 1],
+            |r| {
+                Ok(ChainItem {
+                    seq: r.get::<_, i64>(0)? as u64,
+                    message: reader_message(r, 1)?,
+                })
+            },
+        )?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let has_more = items.len() > limit as usize;
     items.truncate(limit as usize);
@@ -265,10 +354,14 @@ pub fn pull_inbox(c: &Connection, user: UserId, from: u64, to: u64, limit: u32) 
 }
 
 pub fn cursor(c: &Connection, user: UserId, device: &str, chain: &str) -> rusqlite::Result<u64> {
-    c.prepare_cached("SELECT seq FROM cursors WHERE user_id = ?1 AND device_id = ?2 AND chain = ?3")?
-        .query_row(params![user.get() as i64, device, chain], |r| r.get::<_, i64>(0))
-        .optional()
-        .map(|v| v.unwrap_or(0) as u64)
+    c.prepare_cached(
+        "SELECT seq FROM cursors WHERE user_id = ?1 AND device_id = ?2 AND chain = ?3",
+    )?
+    .query_row(params![user.get() as i64, device, chain], |r| {
+        r.get::<_, i64>(0)
+    })
+    .optional()
+    .map(|v| v.unwrap_or(0) as u64)
 }
 
 pub fn read_fanout_changes(
@@ -304,7 +397,9 @@ pub fn read_fanout_changes(
         if seq <= position {
             continue;
         }
-        let Ok(conversation_id) = ConversationId::parse(&id) else { continue };
+        let Ok(conversation_id) = ConversationId::parse(&id) else {
+            continue;
+        };
         let last_message = match last_msg_id {
             Some(m) => message_for(c, user, m)?,
             None => None,
@@ -328,21 +423,31 @@ pub fn unread(c: &Connection, user: UserId) -> rusqlite::Result<Vec<(Conversatio
     )?;
     let candidates = st
         .query_map([user.get() as i64], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64, r.get::<_, i64>(2)? as u64, r.get::<_, i64>(3)? != 0))
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, i64>(1)? as u64,
+                r.get::<_, i64>(2)? as u64,
+                r.get::<_, i64>(3)? != 0,
+            ))
         })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let mut out = Vec::new();
     for (id, last_read, seq, muted) in candidates {
         let n = unread_count(c, &id, last_read, seq, user)?;
         if n > 0
-            && let Ok(conv) = ConversationId::parse(&id) {
-                out.push((conv, n, muted));
-            }
+            && let Ok(conv) = ConversationId::parse(&id)
+        {
+            out.push((conv, n, muted));
+        }
     }
     Ok(out)
 }
 
-pub fn receipts(c: &Connection, conv: &ConversationId, seq: u64) -> rusqlite::Result<(Vec<UserId>, Vec<UserId>)> {
+pub fn receipts(
+    c: &Connection,
+    conv: &ConversationId,
+    seq: u64,
+) -> rusqlite::Result<(Vec<UserId>, Vec<UserId>)> {
     let sender: Option<i64> = c
         .prepare_cached("SELECT sender FROM messages WHERE conversation_id = ?1 AND seq = ?2")?
         .query_row(params![conv.as_str(), seq as i64], |r| r.get(0))
@@ -352,13 +457,19 @@ pub fn receipts(c: &Connection, conv: &ConversationId, seq: u64) -> rusqlite::Re
          AND joined_seq <= ?2 ORDER BY user_id",
     )?;
     let (mut read, mut unread) = (Vec::new(), Vec::new());
-    let rows = st.query_map(params![conv.as_str(), seq as i64], |r| Ok((rows::user_id(r, 0)?, r.get::<_, bool>(1)?)))?;
+    let rows = st.query_map(params![conv.as_str(), seq as i64], |r| {
+        Ok((rows::user_id(r, 0)?, r.get::<_, bool>(1)?))
+    })?;
     for row in rows {
         let (u, has_read) = row?;
         if Some(u.get() as i64) == sender {
             continue;
         }
-        if has_read { read.push(u) } else { unread.push(u) }
+        if has_read {
+            read.push(u)
+        } else {
+            unread.push(u)
+        }
     }
     Ok((read, unread))
 }

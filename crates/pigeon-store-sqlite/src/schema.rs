@@ -107,7 +107,8 @@ const MIGRATIONS: &[&str] = &[
 
 /// Brings `conn`'s schema to the newest version, one transaction per migration.
 pub fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
-    let current: usize = conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))? as usize;
+    let current: usize =
+        conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))? as usize;
     for (i, sql) in MIGRATIONS.iter().enumerate().skip(current) {
         let tx = conn.transaction()?;
         tx.execute_batch(sql)?;

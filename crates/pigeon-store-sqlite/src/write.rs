@@ -30,9 +30,13 @@ pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
                     name: r.get(2)?,
                     notice: r.get(3)?,
                     avatar: r.get(4)?,
-                    owner: r.get::<_, Option<i64>>(5)?.and_then(|v| UserId::new(v as u64).ok()),
+                    owner: r
+                        .get::<_, Option<i64>>(5)?
+                        .and_then(|v| UserId::new(v as u64).ok()),
                     dismissed: r.get::<_, i64>(6)? != 0,
-                    last_msg_id: r.get::<_, Option<i64>>(7)?.and_then(|v| pigeon_proto::MsgId::new(v as u64).ok()),
+                    last_msg_id: r
+                        .get::<_, Option<i64>>(7)?
+                        .and_then(|v| pigeon_proto::MsgId::new(v as u64).ok()),
                     created_at: r.get(8)?,
                     updated_at: r.get(9)?,
                     members: HashMap::new(),
@@ -74,16 +78,23 @@ pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
         }
         head_users.push(*u);
     }
-    let mut head_stmt = c.prepare_cached("SELECT coalesce(max(user_seq), 0) FROM inbox WHERE user_id = ?1")?;
+    let mut head_stmt =
+        c.prepare_cached("SELECT coalesce(max(user_seq), 0) FROM inbox WHERE user_id = ?1")?;
     for u in head_users {
         if let std::collections::hash_map::Entry::Vacant(e) = out.inbox_heads.entry(u) {
             e.insert(head_stmt.query_row([u.get() as i64], |r| r.get::<_, i64>(0))? as u64);
         }
     }
-    let sql = format!("SELECT {} FROM messages m WHERE m.msg_id = ?1", rows::MESSAGE_COLUMNS);
+    let sql = format!(
+        "SELECT {} FROM messages m WHERE m.msg_id = ?1",
+        rows::MESSAGE_COLUMNS
+    );
     let mut msg_stmt = c.prepare_cached(&sql)?;
     for id in &needs.messages {
-        if let Some(m) = msg_stmt.query_row([id.get() as i64], |r| rows::message(r, 0)).optional()? {
+        if let Some(m) = msg_stmt
+            .query_row([id.get() as i64], |r| rows::message(r, 0))
+            .optional()?
+        {
             out.messages.insert(*id, m);
         }
     }
@@ -94,14 +105,28 @@ pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
         let hit = dedupe_stmt
             .query_row(params![sender.get() as i64, cmid.as_str()], |r| {
                 let conv: String = r.get(1)?;
-                Ok((rows::msg_id(r, 0)?, conv, r.get::<_, i64>(2)? as u64, r.get::<_, i64>(3)?))
+                Ok((
+                    rows::msg_id(r, 0)?,
+                    conv,
+                    r.get::<_, i64>(2)? as u64,
+                    r.get::<_, i64>(3)?,
+                ))
             })
             .optional()?;
         if let Some((msg_id, conv, seq, created_at)) = hit {
-            let Ok(conversation_id) = ConversationId::parse(&conv) else { continue };
+            let Ok(conversation_id) = ConversationId::parse(&conv) else {
+                continue;
+            };
             out.dedupe.insert(
                 (*sender, cmid.clone()),
-                SendAck { client_msg_id: cmid.to_string(), msg_id, conversation_id, seq, created_at, duplicate: true },
+                SendAck {
+                    client_msg_id: cmid.to_string(),
+                    msg_id,
+                    conversation_id,
+                    seq,
+                    created_at,
+                    duplicate: true,
+                },
             );
         }
     }
@@ -118,7 +143,8 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
         for (u, name, avatar, now) in &ch.users {
             st.execute(params![u.get() as i64, name, avatar, now])?;
         }
-        let mut st = tx.prepare_cached("UPDATE users SET token_gen = token_gen + 1 WHERE user_id = ?1")?;
+        let mut st =
+            tx.prepare_cached("UPDATE users SET token_gen = token_gen + 1 WHERE user_id = ?1")?;
         for u in &ch.logouts {
             st.execute([u.get() as i64])?;
         }
@@ -128,7 +154,8 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
         )?;
         for m in &ch.messages {
             let extra = (!m.extra.is_null()).then(|| m.extra.to_string());
-            let mentions = (!m.mentions.is_empty()).then(|| serde_json::to_string(&m.mentions).unwrap_or_default());
+            let mentions = (!m.mentions.is_empty())
+                .then(|| serde_json::to_string(&m.mentions).unwrap_or_default());
             st.execute(params![
                 m.msg_id.get() as i64,
                 m.conversation_id,
@@ -150,7 +177,13 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
             "INSERT INTO inbox (user_id, user_seq, msg_id, conversation_id, seq) VALUES (?1, ?2, ?3, ?4, ?5)",
         )?;
         for i in &ch.inbox {
-            st.execute(params![i.user.get() as i64, i.user_seq as i64, i.msg_id.get() as i64, i.conversation.as_str(), i.seq as i64])?;
+            st.execute(params![
+                i.user.get() as i64,
+                i.user_seq as i64,
+                i.msg_id.get() as i64,
+                i.conversation.as_str(),
+                i.seq as i64
+            ])?;
         }
         let mut st = tx.prepare_cached(
             "INSERT INTO conversations (conversation_id, is_group, seq, member_count, fanout, name, notice, avatar, owner, \
@@ -225,7 +258,9 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
         for (id, v, content, at) in &ch.versions {
             st.execute(params![id.get() as i64, v, content, at])?;
         }
-        let mut st = tx.prepare_cached("INSERT OR IGNORE INTO hidden_messages (user_id, msg_id) VALUES (?1, ?2)")?;
+        let mut st = tx.prepare_cached(
+            "INSERT OR IGNORE INTO hidden_messages (user_id, msg_id) VALUES (?1, ?2)",
+        )?;
         for (u, m) in &ch.hidden_messages {
             st.execute(params![u.get() as i64, m.get() as i64])?;
         }

@@ -6,7 +6,11 @@ use pigeon_server::{Config, ServeArgs};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "pigeon", version, about = "Pigeon: an instant-messaging back end")]
+#[command(
+    name = "pigeon",
+    version,
+    about = "Pigeon: an instant-messaging back end"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -22,11 +26,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("PIGEON_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_env("PIGEON_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("pigeon: cannot start the runtime: {e}");
@@ -55,7 +63,11 @@ async fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     if running.admin_key_generated {
-        println!("pigeon: generated admin key (kept in {}): {}", data_dir.display(), running.app.admin_key);
+        println!(
+            "pigeon: generated admin key (kept in {}): {}",
+            data_dir.display(),
+            running.app.admin_key
+        );
     }
     println!("pigeon: listening on http://{}", running.addr);
     wait_for_signal().await;
@@ -68,13 +80,14 @@ async fn wait_for_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

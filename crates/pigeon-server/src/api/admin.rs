@@ -26,17 +26,33 @@ pub struct UpsertUser {
     avatar: String,
 }
 
-pub async fn upsert_user(_: Admin, State(app): State<AppRef>, ApiJson(b): ApiJson<UpsertUser>) -> ApiResult<Json<UserView>> {
+pub async fn upsert_user(
+    _: Admin,
+    State(app): State<AppRef>,
+    ApiJson(b): ApiJson<UpsertUser>,
+) -> ApiResult<Json<UserView>> {
     if b.name.chars().count() > MAX_NAME_CHARS {
-        return Err(ApiError::invalid(format!("name is longer than {MAX_NAME_CHARS} characters")));
+        return Err(ApiError::invalid(format!(
+            "name is longer than {MAX_NAME_CHARS} characters"
+        )));
     }
     if b.avatar.chars().count() > MAX_AVATAR_CHARS {
-        return Err(ApiError::invalid(format!("avatar is longer than {MAX_AVATAR_CHARS} characters")));
+        return Err(ApiError::invalid(format!(
+            "avatar is longer than {MAX_AVATAR_CHARS} characters"
+        )));
     }
     app.pipeline
-        .call(Command::UpsertUser { user: b.user_id, name: b.name.clone(), avatar: b.avatar.clone() })
+        .call(Command::UpsertUser {
+            user: b.user_id,
+            name: b.name.clone(),
+            avatar: b.avatar.clone(),
+        })
         .await?;
-    Ok(Json(UserView { user_id: b.user_id, name: b.name, avatar: b.avatar }))
+    Ok(Json(UserView {
+        user_id: b.user_id,
+        name: b.name,
+        avatar: b.avatar,
+    }))
 }
 
 #[derive(Deserialize)]
@@ -45,31 +61,65 @@ pub struct MintToken {
     ttl_secs: Option<u64>,
 }
 
-pub async fn mint_token(_: Admin, State(app): State<AppRef>, ApiJson(b): ApiJson<MintToken>) -> ApiResult<Json<Value>> {
+pub async fn mint_token(
+    _: Admin,
+    State(app): State<AppRef>,
+    ApiJson(b): ApiJson<MintToken>,
+) -> ApiResult<Json<Value>> {
     let ttl = b.ttl_secs.unwrap_or(86_400);
     if ttl == 0 || ttl > app.cfg.max_token_ttl_secs {
-        return Err(ApiError::invalid(format!("ttl_secs must be 1..={}", app.cfg.max_token_ttl_secs)));
+        return Err(ApiError::invalid(format!(
+            "ttl_secs must be 1..={}",
+            app.cfg.max_token_ttl_secs
+        )));
     }
-    let user = app.store.user(b.user_id).await?.ok_or_else(|| ApiError::not_found("user"))?;
+    let user = app
+        .store
+        .user(b.user_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found("user"))?;
     let expires_at = now_ms() + (ttl as i64) * 1000;
-    let token = app.signer.mint(Claims { uid: b.user_id, exp: expires_at, gen_: user.token_gen });
+    let token = app.signer.mint(Claims {
+        uid: b.user_id,
+        exp: expires_at,
+        gen_: user.token_gen,
+    });
     Ok(Json(json!({"token": token, "expires_at": expires_at})))
 }
 
-pub async fn logout(_: Admin, State(app): State<AppRef>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn logout(
+    _: Admin,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     let user = path_user(&id)?;
-    app.store.user(user).await?.ok_or_else(|| ApiError::not_found("user"))?;
+    app.store
+        .user(user)
+        .await?
+        .ok_or_else(|| ApiError::not_found("user"))?;
     app.pipeline.call(Command::Logout { user }).await?;
     Ok(empty())
 }
 
-pub async fn get_message(_: Admin, State(app): State<AppRef>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn get_message(
+    _: Admin,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     let msg_id = path_msg_id(&id)?;
-    let audited = app.store.message(msg_id).await?.ok_or_else(|| ApiError::not_found("message"))?;
+    let audited = app
+        .store
+        .message(msg_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found("message"))?;
     let mut versions = app.store.versions(msg_id).await?;
     if versions.is_empty() {
         let m = &audited.message;
-        versions.push(pigeon_proto::views::VersionView { version: m.version, content: m.content.clone(), at: m.created_at });
+        versions.push(pigeon_proto::views::VersionView {
+            version: m.version,
+            content: m.content.clone(),
+            at: m.created_at,
+        });
     }
     Ok(Json(json!({
         "message": audited.message,
@@ -79,7 +129,11 @@ pub async fn get_message(_: Admin, State(app): State<AppRef>, Path(id): Path<Str
     })))
 }
 
-pub async fn delete_message(_: Admin, State(app): State<AppRef>, Path(id): Path<String>) -> ApiResult<Json<Message>> {
+pub async fn delete_message(
+    _: Admin,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Message>> {
     let msg_id = path_msg_id(&id)?;
     match app.pipeline.call(Command::AdminDelete { msg_id }).await? {
         Reply::Message(m) => Ok(Json(*m)),

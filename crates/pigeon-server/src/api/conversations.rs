@@ -8,8 +8,8 @@ use axum::Json;
 use axum::extract::{Path, State};
 use pigeon_core::command::{Command, Reply, SettingsPatch};
 use pigeon_core::store::{HistoryAnchor, HistoryQuery, ListCursor};
-use pigeon_proto::views::ConversationView;
 use pigeon_proto::DeviceId;
+use pigeon_proto::views::ConversationView;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -40,18 +40,37 @@ fn decode_cursor(s: &str) -> ApiResult<ListCursor> {
         _ => return Err(bad()),
     };
     let updated_at: i64 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
-    let conversation_id = parts.next().and_then(|p| pigeon_proto::ConversationId::parse(p).ok()).ok_or_else(bad)?;
-    Ok(ListCursor { pinned, updated_at, conversation_id })
+    let conversation_id = parts
+        .next()
+        .and_then(|p| pigeon_proto::ConversationId::parse(p).ok())
+        .ok_or_else(bad)?;
+    Ok(ListCursor {
+        pinned,
+        updated_at,
+        conversation_id,
+    })
 }
 
-pub async fn list(AuthUser(me): AuthUser, State(app): State<AppRef>, ApiQuery(q): ApiQuery<ListQuery>) -> ApiResult<Json<Value>> {
+pub async fn list(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> ApiResult<Json<Value>> {
     let limit = q.limit.unwrap_or(LIST_DEFAULT);
     if limit == 0 {
         return Err(ApiError::invalid("limit must be at least 1"));
     }
     let limit = limit.min(LIST_MAX);
-    let after = q.cursor.as_deref().filter(|c| !c.is_empty()).map(decode_cursor).transpose()?;
-    let mut page = app.store.conversations(me, None, after, limit + 1, false).await?;
+    let after = q
+        .cursor
+        .as_deref()
+        .filter(|c| !c.is_empty())
+        .map(decode_cursor)
+        .transpose()?;
+    let mut page = app
+        .store
+        .conversations(me, None, after, limit + 1, false)
+        .await?;
     let next = if page.len() > limit as usize {
         page.truncate(limit as usize);
         page.last().map(encode_cursor)
@@ -61,7 +80,11 @@ pub async fn list(AuthUser(me): AuthUser, State(app): State<AppRef>, ApiQuery(q)
     Ok(Json(json!({"conversations": page, "next_cursor": next})))
 }
 
-pub async fn one(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>) -> ApiResult<Json<ConversationView>> {
+pub async fn one(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
     Ok(Json(app.conversation(me, &conv).await?))
 }
@@ -75,23 +98,36 @@ pub struct HistoryParams {
     to_time: Option<i64>,
 }
 
-pub async fn history(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiQuery(q): ApiQuery<HistoryParams>) -> ApiResult<Json<Value>> {
+pub async fn history(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<HistoryParams>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let limit = q.limit.unwrap_or(HISTORY_DEFAULT);
     if limit == 0 {
         return Err(ApiError::invalid("limit must be at least 1"));
     }
     let anchor = match (q.before, q.after) {
-        (Some(_), Some(_)) => return Err(ApiError::invalid("give at most one of before and after")),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid("give at most one of before and after"));
+        }
         (Some(b), None) => HistoryAnchor::Before(b),
         (None, Some(a)) => HistoryAnchor::After(a),
         (None, None) => HistoryAnchor::Newest,
     };
     if let (Some(f), Some(t)) = (q.from_time, q.to_time)
-        && f > t {
-            return Err(ApiError::invalid("from_time is after to_time"));
-        }
-    let query = HistoryQuery { anchor, limit: limit.min(HISTORY_MAX), from_time: q.from_time, to_time: q.to_time };
+        && f > t
+    {
+        return Err(ApiError::invalid("from_time is after to_time"));
+    }
+    let query = HistoryQuery {
+        anchor,
+        limit: limit.min(HISTORY_MAX),
+        from_time: q.from_time,
+        to_time: q.to_time,
+    };
     let (messages, has_more) = app.history(me, &conv, query).await?;
     Ok(Json(json!({"messages": messages, "has_more": has_more})))
 }
@@ -102,20 +138,32 @@ pub struct RangeParams {
     to: u64,
 }
 
-pub async fn range(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiQuery(q): ApiQuery<RangeParams>) -> ApiResult<Json<Value>> {
+pub async fn range(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<RangeParams>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     if q.from == 0 || q.from > q.to {
         return Err(ApiError::invalid("need 1 <= from <= to"));
     }
     if q.to - q.from + 1 > RANGE_MAX {
-        return Err(ApiError::invalid(format!("a range holds at most {RANGE_MAX} messages")));
+        return Err(ApiError::invalid(format!(
+            "a range holds at most {RANGE_MAX} messages"
+        )));
     }
     let (lo, hi) = app.readable_range(me, &conv).await?;
     let (from, to) = (q.from.max(lo), q.to.min(hi));
     let messages = if from > to {
         Vec::new()
     } else {
-        let query = HistoryQuery { anchor: HistoryAnchor::After(from - 1), limit: RANGE_MAX as u32, from_time: None, to_time: None };
+        let query = HistoryQuery {
+            anchor: HistoryAnchor::After(from - 1),
+            limit: RANGE_MAX as u32,
+            from_time: None,
+            to_time: None,
+        };
         app.store.history(&conv, me, (from, to), query).await?.0
     };
     Ok(Json(json!({"messages": messages})))
@@ -126,12 +174,28 @@ pub struct ReadBody {
     seq: u64,
 }
 
-pub async fn read(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiJson(b): ApiJson<ReadBody>) -> ApiResult<Json<Value>> {
+pub async fn read(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiJson(b): ApiJson<ReadBody>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
-    let reply = app.pipeline.call(Command::Read { user: me, conversation: conv, seq: b.seq, from_device: None }).await?;
+    let reply = app
+        .pipeline
+        .call(Command::Read {
+            user: me,
+            conversation: conv,
+            seq: b.seq,
+            from_device: None,
+        })
+        .await?;
     match reply {
         Reply::LastRead(s) => Ok(Json(json!({"last_read_seq": s}))),
-        _ => Err(ApiError::new(pigeon_proto::ErrorCode::Internal, "internal error")),
+        _ => Err(ApiError::new(
+            pigeon_proto::ErrorCode::Internal,
+            "internal error",
+        )),
     }
 }
 
@@ -140,7 +204,12 @@ pub struct ReceiptParams {
     seq: u64,
 }
 
-pub async fn receipts(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiQuery(q): ApiQuery<ReceiptParams>) -> ApiResult<Json<Value>> {
+pub async fn receipts(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<ReceiptParams>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let (lo, hi) = app.readable_range(me, &conv).await?;
     if !(lo..=hi).contains(&q.seq) {
@@ -157,21 +226,45 @@ pub struct SettingsBody {
     hidden: Option<bool>,
 }
 
-pub async fn settings(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiJson(b): ApiJson<SettingsBody>) -> ApiResult<Json<ConversationView>> {
+pub async fn settings(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiJson(b): ApiJson<SettingsBody>,
+) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
     if b.pinned.is_none() && b.muted.is_none() && b.hidden.is_none() {
         return Err(ApiError::invalid("give any of pinned, muted, hidden"));
     }
-    let patch = SettingsPatch { pinned: b.pinned, muted: b.muted, hidden: b.hidden };
-    app.pipeline.call(Command::Settings { user: me, conversation: conv.clone(), patch }).await?;
+    let patch = SettingsPatch {
+        pinned: b.pinned,
+        muted: b.muted,
+        hidden: b.hidden,
+    };
+    app.pipeline
+        .call(Command::Settings {
+            user: me,
+            conversation: conv.clone(),
+            patch,
+        })
+        .await?;
     Ok(Json(app.conversation(me, &conv).await?))
 }
 
 pub async fn unread(AuthUser(me): AuthUser, State(app): State<AppRef>) -> ApiResult<Json<Value>> {
     let rows = app.store.unread(me).await?;
-    let total: u64 = rows.iter().filter(|(_, _, muted)| !muted).map(|(_, n, _)| n).sum();
-    let conversations: Vec<Value> = rows.iter().map(|(c, n, _)| json!({"conversation_id": c, "unread": n})).collect();
-    Ok(Json(json!({"total": total, "conversations": conversations})))
+    let total: u64 = rows
+        .iter()
+        .filter(|(_, _, muted)| !muted)
+        .map(|(_, n, _)| n)
+        .sum();
+    let conversations: Vec<Value> = rows
+        .iter()
+        .map(|(c, n, _)| json!({"conversation_id": c, "unread": n}))
+        .collect();
+    Ok(Json(
+        json!({"total": total, "conversations": conversations}),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -184,10 +277,16 @@ pub struct SyncParams {
 /// The device name pull-mode clients are tracked under.
 const HTTP_DEVICE: &str = "http";
 
-pub async fn sync(AuthUser(me): AuthUser, State(app): State<AppRef>, ApiQuery(q): ApiQuery<SyncParams>) -> ApiResult<Json<Value>> {
+pub async fn sync(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    ApiQuery(q): ApiQuery<SyncParams>,
+) -> ApiResult<Json<Value>> {
     let wait_ms = q.wait_ms.unwrap_or(0);
     if wait_ms > WAIT_MAX_MS {
-        return Err(ApiError::invalid(format!("wait_ms must be 0..={WAIT_MAX_MS}")));
+        return Err(ApiError::invalid(format!(
+            "wait_ms must be 0..={WAIT_MAX_MS}"
+        )));
     }
     let limit = q.limit.unwrap_or(100);
     if limit == 0 {

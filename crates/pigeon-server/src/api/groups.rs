@@ -8,8 +8,8 @@ use axum::Json;
 use axum::extract::{Path, State};
 use pigeon_core::command::{Command, GroupPatch, Reply};
 use pigeon_core::rules;
-use pigeon_proto::views::ConversationView;
 use pigeon_proto::UserId;
+use pigeon_proto::views::ConversationView;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -21,13 +21,30 @@ pub struct CreateBody {
     members: Vec<UserId>,
 }
 
-pub async fn create(AuthUser(me): AuthUser, State(app): State<AppRef>, ApiJson(b): ApiJson<CreateBody>) -> ApiResult<Json<ConversationView>> {
+pub async fn create(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    ApiJson(b): ApiJson<CreateBody>,
+) -> ApiResult<Json<ConversationView>> {
     if b.members.len() > rules::MAX_USERS_PER_REQUEST {
-        return Err(ApiError::invalid(format!("at most {} members at creation", rules::MAX_USERS_PER_REQUEST)));
+        return Err(ApiError::invalid(format!(
+            "at most {} members at creation",
+            rules::MAX_USERS_PER_REQUEST
+        )));
     }
-    let reply = app.pipeline.call(Command::CreateGroup { owner: me, name: b.name, members: b.members }).await?;
+    let reply = app
+        .pipeline
+        .call(Command::CreateGroup {
+            owner: me,
+            name: b.name,
+            members: b.members,
+        })
+        .await?;
     let Reply::Conversation(id) = reply else {
-        return Err(ApiError::new(pigeon_proto::ErrorCode::Internal, "internal error"));
+        return Err(ApiError::new(
+            pigeon_proto::ErrorCode::Internal,
+            "internal error",
+        ));
     };
     Ok(Json(app.conversation(me, &id).await?))
 }
@@ -39,7 +56,12 @@ pub struct UpdateBody {
     avatar: Option<String>,
 }
 
-pub async fn update(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiJson(b): ApiJson<UpdateBody>) -> ApiResult<Json<ConversationView>> {
+pub async fn update(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiJson(b): ApiJson<UpdateBody>,
+) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
     if let Some(n) = &b.name {
         rules::validate_text_field("name", n, rules::MAX_GROUP_NAME_CHARS)?;
@@ -50,8 +72,18 @@ pub async fn update(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id):
     if let Some(a) = &b.avatar {
         rules::validate_text_field("avatar", a, rules::MAX_AVATAR_CHARS)?;
     }
-    let patch = GroupPatch { name: b.name, notice: b.notice, avatar: b.avatar };
-    app.pipeline.call(Command::UpdateGroup { actor: me, conversation: conv.clone(), patch }).await?;
+    let patch = GroupPatch {
+        name: b.name,
+        notice: b.notice,
+        avatar: b.avatar,
+    };
+    app.pipeline
+        .call(Command::UpdateGroup {
+            actor: me,
+            conversation: conv.clone(),
+            patch,
+        })
+        .await?;
     Ok(Json(app.conversation(me, &conv).await?))
 }
 
@@ -60,31 +92,73 @@ pub struct InviteBody {
     user_ids: Vec<UserId>,
 }
 
-pub async fn invite(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiJson(b): ApiJson<InviteBody>) -> ApiResult<Json<ConversationView>> {
+pub async fn invite(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiJson(b): ApiJson<InviteBody>,
+) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
-    app.pipeline.call(Command::Invite { actor: me, conversation: conv.clone(), users: b.user_ids }).await?;
+    app.pipeline
+        .call(Command::Invite {
+            actor: me,
+            conversation: conv.clone(),
+            users: b.user_ids,
+        })
+        .await?;
     Ok(Json(app.conversation(me, &conv).await?))
 }
 
-pub async fn remove(AuthUser(me): AuthUser, State(app): State<AppRef>, Path((id, uid)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+pub async fn remove(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path((id, uid)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
-    app.pipeline.call(Command::RemoveMember { actor: me, conversation: conv, user }).await?;
+    app.pipeline
+        .call(Command::RemoveMember {
+            actor: me,
+            conversation: conv,
+            user,
+        })
+        .await?;
     Ok(empty())
 }
 
-async fn set_admin(app: AppRef, me: UserId, id: String, uid: String, admin: bool) -> ApiResult<Json<Value>> {
+async fn set_admin(
+    app: AppRef,
+    me: UserId,
+    id: String,
+    uid: String,
+    admin: bool,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
-    app.pipeline.call(Command::SetAdmin { actor: me, conversation: conv, user, admin }).await?;
+    app.pipeline
+        .call(Command::SetAdmin {
+            actor: me,
+            conversation: conv,
+            user,
+            admin,
+        })
+        .await?;
     Ok(empty())
 }
 
-pub async fn add_admin(AuthUser(me): AuthUser, State(app): State<AppRef>, Path((id, uid)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+pub async fn add_admin(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path((id, uid)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
     set_admin(app, me, id, uid, true).await
 }
 
-pub async fn remove_admin(AuthUser(me): AuthUser, State(app): State<AppRef>, Path((id, uid)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+pub async fn remove_admin(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path((id, uid)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
     set_admin(app, me, id, uid, false).await
 }
 
@@ -94,24 +168,53 @@ pub struct MuteBody {
     duration_secs: u64,
 }
 
-pub async fn mute(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiJson(b): ApiJson<MuteBody>) -> ApiResult<Json<Value>> {
+pub async fn mute(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiJson(b): ApiJson<MuteBody>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     app.pipeline
-        .call(Command::Mute { actor: me, conversation: conv, user: b.user_id, duration_secs: b.duration_secs })
+        .call(Command::Mute {
+            actor: me,
+            conversation: conv,
+            user: b.user_id,
+            duration_secs: b.duration_secs,
+        })
         .await?;
     Ok(empty())
 }
 
-pub async fn unmute(AuthUser(me): AuthUser, State(app): State<AppRef>, Path((id, uid)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+pub async fn unmute(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path((id, uid)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
-    app.pipeline.call(Command::Unmute { actor: me, conversation: conv, user }).await?;
+    app.pipeline
+        .call(Command::Unmute {
+            actor: me,
+            conversation: conv,
+            user,
+        })
+        .await?;
     Ok(empty())
 }
 
-pub async fn dismiss(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn dismiss(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
-    app.pipeline.call(Command::Dismiss { actor: me, conversation: conv }).await?;
+    app.pipeline
+        .call(Command::Dismiss {
+            actor: me,
+            conversation: conv,
+        })
+        .await?;
     Ok(empty())
 }
 
@@ -121,7 +224,12 @@ pub struct MembersQuery {
     limit: Option<u32>,
 }
 
-pub async fn members(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id): Path<String>, ApiQuery(q): ApiQuery<MembersQuery>) -> ApiResult<Json<Value>> {
+pub async fn members(
+    AuthUser(me): AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<MembersQuery>,
+) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let m = app.membership(me, &conv).await?;
     if m.left_seq.is_some() {
@@ -133,7 +241,9 @@ pub async fn members(AuthUser(me): AuthUser, State(app): State<AppRef>, Path(id)
     }
     let limit = limit.min(1000);
     let after = match q.cursor.as_deref().filter(|c| !c.is_empty()) {
-        Some(c) => Some(path_user(c).map_err(|_| ApiError::invalid("cursor is not one this server gave"))?),
+        Some(c) => Some(
+            path_user(c).map_err(|_| ApiError::invalid("cursor is not one this server gave"))?,
+        ),
         None => None,
     };
     let mut page = app.store.members(&conv, after, limit + 1).await?;

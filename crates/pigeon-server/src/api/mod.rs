@@ -10,12 +10,12 @@ mod ops;
 use crate::app::AppRef;
 use crate::auth::bearer;
 use crate::error::ApiError;
+use axum::Router;
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use axum::routing::{get, post, put};
-use axum::Router;
 use pigeon_proto::{ErrorCode, UserId};
 use serde::de::DeserializeOwned;
 
@@ -32,27 +32,60 @@ pub fn router(app: AppRef) -> Router {
         .route("/v1/admin/users", post(admin::upsert_user))
         .route("/v1/admin/tokens", post(admin::mint_token))
         .route("/v1/admin/users/{id}/logout", post(admin::logout))
-        .route("/v1/admin/messages/{msg_id}", get(admin::get_message).delete(admin::delete_message))
+        .route(
+            "/v1/admin/messages/{msg_id}",
+            get(admin::get_message).delete(admin::delete_message),
+        )
         .route("/v1/messages", post(messages::send))
         .route("/v1/messages/{msg_id}/recall", post(messages::recall))
-        .route("/v1/messages/{msg_id}", axum::routing::patch(messages::edit).delete(messages::hide))
+        .route(
+            "/v1/messages/{msg_id}",
+            axum::routing::patch(messages::edit).delete(messages::hide),
+        )
         .route("/v1/messages/{msg_id}/versions", get(messages::versions))
         .route("/v1/conversations", get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::one))
-        .route("/v1/conversations/{id}/messages", get(conversations::history))
-        .route("/v1/conversations/{id}/messages/range", get(conversations::range))
+        .route(
+            "/v1/conversations/{id}/messages",
+            get(conversations::history),
+        )
+        .route(
+            "/v1/conversations/{id}/messages/range",
+            get(conversations::range),
+        )
         .route("/v1/conversations/{id}/read", post(conversations::read))
-        .route("/v1/conversations/{id}/receipts", get(conversations::receipts))
-        .route("/v1/conversations/{id}/settings", put(conversations::settings))
+        .route(
+            "/v1/conversations/{id}/receipts",
+            get(conversations::receipts),
+        )
+        .route(
+            "/v1/conversations/{id}/settings",
+            put(conversations::settings),
+        )
         .route("/v1/unread", get(conversations::unread))
         .route("/v1/sync", get(conversations::sync))
         .route("/v1/groups", post(groups::create))
-        .route("/v1/groups/{id}", axum::routing::patch(groups::update).delete(groups::dismiss))
-        .route("/v1/groups/{id}/members", post(groups::invite).get(groups::members))
-        .route("/v1/groups/{id}/members/{uid}", axum::routing::delete(groups::remove))
-        .route("/v1/groups/{id}/admins/{uid}", put(groups::add_admin).delete(groups::remove_admin))
+        .route(
+            "/v1/groups/{id}",
+            axum::routing::patch(groups::update).delete(groups::dismiss),
+        )
+        .route(
+            "/v1/groups/{id}/members",
+            post(groups::invite).get(groups::members),
+        )
+        .route(
+            "/v1/groups/{id}/members/{uid}",
+            axum::routing::delete(groups::remove),
+        )
+        .route(
+            "/v1/groups/{id}/admins/{uid}",
+            put(groups::add_admin).delete(groups::remove_admin),
+        )
         .route("/v1/groups/{id}/mutes", post(groups::mute))
-        .route("/v1/groups/{id}/mutes/{uid}", axum::routing::delete(groups::unmute))
+        .route(
+            "/v1/groups/{id}/mutes/{uid}",
+            axum::routing::delete(groups::unmute),
+        )
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -83,7 +116,11 @@ impl FromRequestParts<AppRef> for Admin {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
-        let key = parts.headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
+        let key = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(bearer);
         match key {
             Some(k) if app.is_admin_key(k) => Ok(Admin),
             _ => Err(ApiError::new(ErrorCode::Unauthorized, "admin key required")),
@@ -100,8 +137,13 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         match axum::Json::<T>::from_request(req, state).await {
             Ok(axum::Json(v)) => Ok(ApiJson(v)),
-            Err(JsonRejection::BytesRejection(e)) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                Err(ApiError::new(ErrorCode::PayloadTooLarge, "request body too large"))
+            Err(JsonRejection::BytesRejection(e))
+                if e.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                Err(ApiError::new(
+                    ErrorCode::PayloadTooLarge,
+                    "request body too large",
+                ))
             }
             Err(e) => Err(ApiError::invalid(e.body_text())),
         }
@@ -128,7 +170,9 @@ fn query_error(e: QueryRejection) -> String {
 
 /// Parses a user id from a path segment.
 pub fn path_user(s: &str) -> Result<UserId, ApiError> {
-    let raw: u64 = s.parse().map_err(|_| ApiError::invalid("user id must be an integer"))?;
+    let raw: u64 = s
+        .parse()
+        .map_err(|_| ApiError::invalid("user id must be an integer"))?;
     Ok(UserId::new(raw)?)
 }
 

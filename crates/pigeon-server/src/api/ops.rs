@@ -13,20 +13,32 @@ pub async fn healthz() -> impl IntoResponse {
 
 pub async fn readyz(State(app): State<AppRef>) -> impl IntoResponse {
     if app.is_draining() {
-        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "draining"})));
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({"status": "draining"})),
+        );
     }
     match app.store.meta_get("schema").await {
-        Ok(_) => (StatusCode::OK, axum::Json(serde_json::json!({"status": "ready"}))),
+        Ok(_) => (
+            StatusCode::OK,
+            axum::Json(serde_json::json!({"status": "ready"})),
+        ),
         Err(e) => {
             tracing::warn!(error = %e, "readiness check failed");
-            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "store unavailable"})))
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                axum::Json(serde_json::json!({"status": "store unavailable"})),
+            )
         }
     }
 }
 
 pub async fn metrics(State(app): State<AppRef>) -> impl IntoResponse {
     metrics::gauge!("pigeon_connections_open").set(app.hub.connection_count() as f64);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
 }
 
 pub async fn openapi() -> impl IntoResponse {

@@ -1,0 +1,452 @@
+//! The operating contract, authentication, sending and push (PROTOCOL.md 2, 3, 5.1, 5.2).
+
+use crate::*;
+use serde_json::json;
+
+#[tokio::test]
+async fn health_ready_metrics_and_openapi_answer() {
+    let s = spawn_server().await;
+    let anon = s.anon();
+    assert_eq!(
+        anon.raw(reqwest::Method::GET, "/healthz", None)
+            .await
+            .unwrap()
+            .0,
+        200
+    );
+    assert_eq!(
+        anon.raw(reqwest::Method::GET, "/readyz", None)
+            .await
+            .unwrap()
+            .0,
+        200
+    );
+    let resp = reqwest::get(format!("{}/metrics", s.base)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(
+        text.contains("pigeon_") || text.is_empty() || text.contains('#'),
+        "prometheus text: {text}"
+    );
+    let doc = anon.get("/openapi.json").await.unwrap();
+    assert_eq!(doc["openapi"], "3.0.3");
+    assert!(doc["paths"]["/v1/messages"]["post"].is_object());
+}
+
+#[tokio::test]
+async fn every_documented_endpoint_is_routed() {
+    let s = spawn_server().await;
+    let client = reqwest::Client::new();
+    for (method, path, _, _) in pigeon_server::openapi::ENDPOINTS {
+        let concrete = path
+            .replace("{id}", "g1")
+            .replace("{uid}", "5")
+            .replace("{msg_id}", "1");
+        let m = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+        let resp = client
+            .request(m, format!("{}{}", s.base, concrete))
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
+        let fell_through = status == 404 && body["message"] == "no such endpoint";
+        assert!(
+            !fell_through && status != 405,
+            "{method} {path} is not routed ({status})"
+        );
+    }
+}
+
+#[tokio::test]
+async fn admin_endpoints_refuse_user_tokens_and_wrong_keys() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    assert_eq!(code_of(alice.upsert_user(5, "x").await), "unauthorized");
+    let wrong = s.anon().with_bearer("not-the-admin-key-at-all");
+    let (status, body) = wrong
+        .raw(
+            reqwest::Method::POST,
+            "/v1/admin/users",
+            Some(&json!({"user_id": 5})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 401);
+    assert_eq!(body["code"], "unauthorized");
+    assert!(body["message"].is_string());
+    assert_eq!(code_of(s.admin.mint_token(999, 60).await), "not_found");
+}
+
+#[tokio::test]
+async fn user_endpoints_need_a_valid_token() {
+    let s = spawn_server().await;
+    let (status, body) = s
+        .anon()
+        .raw(reqwest::Method::GET, "/v1/conversations", None)
+        .await
+        .unwrap();
+    assert_eq!((status, body["code"].as_str()), (401, Some("unauthorized")));
+    let forged = s.anon().with_bearer("v1.eyJ1aWQiOjExMX0.AAAA");
+    assert_eq!(
+        code_of(forged.get("/v1/conversations").await),
+        "unauthorized"
+    );
+}
+
+#[tokio::test]
+async fn expired_tokens_are_refused() {
+    let s = spawn_server().await;
+    s.admin.upsert_user(111, "a").await.unwrap();
+    let token = s.admin.mint_token(111, 1).await.unwrap();
+    let alice = s.anon().with_bearer(token.clone());
+    alice
+        .get("/v1/conversations")
+        .await
+        .expect("fresh token works");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(
+        code_of(alice.get("/v1/conversations").await),
+        "unauthorized"
+    );
+    let err = WsConn::connect(&s.ws_base, &token, "d1")
+        .await
+        .err()
+        .expect("upgrade refused");
+    assert_eq!(err.code(), Some("unauthorized"));
+}
+
+#[tokio::test]
+async fn logout_revokes_tokens_and_kicks_connections() {
+    let s = spawn_server().await;
+    let token = s.token(111).await;
+    let mut ws = s.ws(&token, "phone").await;
+    s.admin
+        .post("/v1/admin/users/111/logout", &json!({}))
+        .await
+        .unwrap();
+    let kicked = ws
+        .recv_until(WAIT, |v| v["type"] == "kicked")
+        .await
+        .unwrap()
+        .expect("kicked frame");
+    assert_eq!(kicked["reason"], "token_revoked");
+    assert!(
+        ws.closed(WAIT).await.is_some(),
+        "connection closed with a close frame"
+    );
+    let alice = s.anon().with_bearer(token.clone());
+    assert_eq!(
+        code_of(alice.get("/v1/conversations").await),
+        "unauthorized"
+    );
+    // A token minted after the logout works.
+    let fresh = s.admin.mint_token(111, 60).await.unwrap();
+    s.anon()
+        .with_bearer(fresh)
+        .get("/v1/conversations")
+        .await
+        .expect("new token works");
+}
+
+#[tokio::test]
+async fn websocket_accepts_the_token_in_the_query_and_says_hello() {
+    let s = spawn_server().await;
+    let token = s.token(111).await;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let req = format!(
+        "{}/v1/ws?device_id=web-1&platform=web&token={token}",
+        s.ws_base
+    )
+    .into_client_request()
+    .unwrap();
+    let ws = WsConn::connect_request(req).await.unwrap();
+    assert_eq!(ws.hello["type"], "hello");
+    assert_eq!(ws.hello["user_id"], 111);
+    assert_eq!(ws.hello["device_id"], "web-1");
+    assert_eq!(ws.hello["heartbeat_ms"], 30000);
+    assert_eq!(ws.hello["user_seq"], 0);
+    assert!(ws.hello["server_time"].as_i64().unwrap() > 1_700_000_000_000);
+}
+
+#[tokio::test]
+async fn websocket_upgrade_without_token_or_device_is_refused() {
+    let s = spawn_server().await;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let req = format!("{}/v1/ws?device_id=d1", s.ws_base)
+        .into_client_request()
+        .unwrap();
+    let err = WsConn::connect_request(req).await.err().expect("refused");
+    assert_eq!(err.code(), Some("unauthorized"));
+    let token = s.token(111).await;
+    let req = format!("{}/v1/ws?token={token}", s.ws_base)
+        .into_client_request()
+        .unwrap();
+    let err = WsConn::connect_request(req).await.err().expect("refused");
+    assert_eq!(err.code(), Some("invalid_argument"));
+}
+
+#[tokio::test]
+async fn single_chat_send_is_acked_then_pushed_to_every_device() {
+    let s = spawn_server().await;
+    let (ta, tb) = (s.token(111).await, s.token(222).await);
+    let mut a1 = s.ws(&ta, "a-phone").await;
+    let mut a2 = s.ws(&ta, "a-laptop").await;
+    let mut b1 = s.ws(&tb, "b-phone").await;
+
+    let ack = request(&mut a1, send_frame(text_to_user("m-0001", 222, "hi")), 1).await;
+    assert_eq!(ack["type"], "send_ack", "{ack}");
+    assert_eq!(ack["client_msg_id"], "m-0001");
+    assert_eq!(ack["conversation_id"], "111-222");
+    assert_eq!(ack["seq"], 1);
+    assert_eq!(ack["duplicate"], false);
+    let msg_id = ack["msg_id"]
+        .as_str()
+        .expect("msg_id is a string")
+        .to_owned();
+    assert!(msg_id.chars().all(|c| c.is_ascii_digit()));
+
+    // The sending connection gets the push after its ack.
+    let own = next_msg(&mut a1).await;
+    assert_eq!(own["message"]["msg_id"], msg_id.as_str());
+    assert_eq!(own["user_seq"], 1);
+    for ws in [&mut a2, &mut b1] {
+        let push = next_msg(ws).await;
+        let m = &push["message"];
+        assert_eq!(m["msg_id"], msg_id.as_str());
+        assert_eq!(m["conversation_id"], "111-222");
+        assert_eq!(m["seq"], 1);
+        assert_eq!(m["sender"], 111);
+        assert_eq!(m["client_msg_id"], "m-0001");
+        assert_eq!(m["kind"], "text");
+        assert_eq!(m["content"], "hi");
+        assert_eq!(m["status"], "normal");
+        assert_eq!(m["version"], 1);
+        assert!(m["extra"].is_null() && m["reply_to"].is_null() && m["edited_at"].is_null());
+        assert_eq!(m["mentions"], json!([]));
+        assert_eq!(push["user_seq"], 1);
+    }
+    // Bob answers: the same conversation from the other side, next seq; Bob's inbox moves on.
+    let ack = request(&mut b1, send_frame(text_to_user("b-1", 111, "hello")), 7).await;
+    assert_eq!(
+        (ack["conversation_id"].as_str(), ack["seq"].as_i64()),
+        (Some("111-222"), Some(2))
+    );
+    let push = next_msg(&mut a2).await;
+    assert_eq!(
+        (push["message"]["seq"].as_i64(), push["user_seq"].as_i64()),
+        (Some(2), Some(2))
+    );
+}
+
+#[tokio::test]
+async fn http_send_answers_the_ack_and_the_sender_devices_get_it() {
+    let s = spawn_server().await;
+    let ta = s.token(111).await;
+    let bob = s.user(222).await;
+    let mut a = s.ws(&ta, "a").await;
+    let ack = bob
+        .post("/v1/messages", &text_to_user("x1", 111, "yo"))
+        .await
+        .unwrap();
+    assert_eq!(ack["seq"], 1);
+    assert_eq!(ack["conversation_id"], "111-222");
+    assert_eq!(ack["duplicate"], false);
+    let push = next_msg(&mut a).await;
+    assert_eq!(push["message"]["content"], "yo");
+    // Sending moves the sender's own read mark.
+    let conv = bob.get("/v1/conversations/111-222").await.unwrap();
+    assert_eq!(conv["last_read_seq"], 1);
+    assert_eq!(conv["unread"], 0);
+    let conv = s
+        .anon()
+        .with_bearer(ta)
+        .get("/v1/conversations/111-222")
+        .await
+        .unwrap();
+    assert_eq!(conv["unread"], 1);
+    assert_eq!(conv["peer"], 222);
+    assert_eq!(conv["type"], "single");
+    assert_eq!(conv["fanout"], "write");
+    assert_eq!(conv["member_count"], 2);
+}
+
+#[tokio::test]
+async fn retrying_a_send_returns_the_first_ack_and_delivers_nothing_new() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let tb = s.token(222).await;
+    let mut b = s.ws(&tb, "b").await;
+    let first = alice
+        .post("/v1/messages", &text_to_user("same", 222, "once"))
+        .await
+        .unwrap();
+    let again = alice
+        .post("/v1/messages", &text_to_user("same", 222, "changed text"))
+        .await
+        .unwrap();
+    assert_eq!(again["msg_id"], first["msg_id"]);
+    assert_eq!(again["seq"], first["seq"]);
+    assert_eq!(again["duplicate"], true);
+    let push = next_msg(&mut b).await;
+    assert_eq!(push["message"]["content"], "once");
+    assert!(
+        b.recv_until(Duration::from_millis(300), |v| v["type"] == "msg")
+            .await
+            .unwrap()
+            .is_none(),
+        "no second push"
+    );
+    let page = alice
+        .get("/v1/conversations/111-222/messages")
+        .await
+        .unwrap();
+    assert_eq!(page["messages"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn sending_to_yourself_or_to_strangers_is_refused() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    assert_eq!(
+        code_of(
+            alice
+                .post("/v1/messages", &text_to_user("a", 111, "me"))
+                .await
+        ),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(
+            alice
+                .post("/v1/messages", &text_to_user("b", 999, "who"))
+                .await
+        ),
+        "not_found"
+    );
+    let bob = s.user(222).await;
+    bob.post("/v1/messages", &text_to_user("c", 333, "x"))
+        .await
+        .err();
+    let _carol = s.user(333).await;
+    bob.post("/v1/messages", &text_to_user("d", 333, "hi carol"))
+        .await
+        .unwrap();
+    // Alice is not in 222-333: she can neither write nor read it.
+    assert_eq!(
+        code_of(
+            alice
+                .post("/v1/messages", &text_to_conv("e", "222-333", "sneak"))
+                .await
+        ),
+        "not_member"
+    );
+    assert_eq!(
+        code_of(alice.get("/v1/conversations/222-333/messages").await),
+        "not_member"
+    );
+    assert_eq!(
+        code_of(alice.get("/v1/conversations/222-333").await),
+        "not_member"
+    );
+    assert_eq!(
+        code_of(alice.get("/v1/conversations/g12345").await),
+        "not_member"
+    );
+}
+
+#[tokio::test]
+async fn groups_are_created_with_a_command_message_at_seq_1() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let tb = s.token(222).await;
+    let _c = s.user(333).await;
+    let mut b = s.ws(&tb, "b").await;
+    let g = alice
+        .post(
+            "/v1/groups",
+            &json!({"name": "team", "members": [222, 333]}),
+        )
+        .await
+        .unwrap();
+    let id = g["conversation_id"].as_str().unwrap().to_owned();
+    assert!(id.starts_with('g') && id[1..].chars().all(|c| c.is_ascii_digit()));
+    assert_eq!(g["type"], "group");
+    assert_eq!(g["name"], "team");
+    assert_eq!(g["member_count"], 3);
+    assert_eq!(g["seq"], 1);
+    let push = next_msg(&mut b).await;
+    assert_eq!(push["message"]["kind"], "group_created");
+    assert_eq!(push["message"]["seq"], 1);
+    assert_eq!(push["message"]["sender"], 111);
+    let mut members: Vec<u64> = push["message"]["extra"]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    members.sort();
+    assert_eq!(members, vec![111, 222, 333]);
+    let list = alice
+        .get(&format!("/v1/groups/{id}/members"))
+        .await
+        .unwrap();
+    let roles: Vec<(u64, String)> = list["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["user_id"].as_u64().unwrap(),
+                m["role"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        roles,
+        vec![
+            (111, "owner".into()),
+            (222, "member".into()),
+            (333, "member".into())
+        ]
+    );
+    assert!(list["next_cursor"].is_null());
+    let ack = alice
+        .post("/v1/messages", &text_to_conv("g1", &id, "hello team"))
+        .await
+        .unwrap();
+    assert_eq!(ack["seq"], 2);
+    let push = next_msg(&mut b).await;
+    assert_eq!(push["message"]["content"], "hello team");
+    assert_eq!(push["user_seq"], 2);
+}
+
+#[tokio::test]
+async fn ping_gets_pong_and_frames_are_handled_in_order() {
+    let s = spawn_server().await;
+    let ta = s.token(111).await;
+    let _ = s.token(222).await;
+    let mut a = s.ws(&ta, "a").await;
+    let pong = request(&mut a, json!({"type": "ping"}), 42).await;
+    assert_eq!(pong["type"], "pong");
+    assert!(pong["server_time"].is_i64());
+    // Two sends on one connection get their seqs in the order they were sent.
+    for i in 0..20 {
+        let mut f = send_frame(text_to_user(&format!("o{i}"), 222, &format!("{i}")));
+        f["req"] = json!(i);
+        a.send(&f).await.unwrap();
+    }
+    let mut seqs = Vec::new();
+    while seqs.len() < 20 {
+        let v = a
+            .recv_until(WAIT, |v| v["type"] == "send_ack")
+            .await
+            .unwrap()
+            .expect("ack");
+        seqs.push((v["req"].as_i64().unwrap(), v["seq"].as_i64().unwrap()));
+    }
+    seqs.sort();
+    for (i, (req, seq)) in seqs.iter().enumerate() {
+        assert_eq!((*req, *seq), (i as i64, i as i64 + 1));
+    }
+}

@@ -1,0 +1,262 @@
+//! Seq and inbox contiguity under concurrency, idempotency under races and restarts.
+
+use crate::*;
+use proptest::prelude::*;
+use serde_json::json;
+use std::collections::HashMap;
+
+/// Every message of a conversation, by paging its range endpoint.
+async fn whole_chain(h: &Http, conv: &str) -> Vec<Value> {
+    let head = h.get(&format!("/v1/conversations/{conv}")).await.unwrap()["seq"]
+        .as_u64()
+        .unwrap();
+    let mut out = Vec::new();
+    let mut from = 1;
+    while from <= head {
+        let to = (from + 199).min(head);
+        let page = h
+            .get(&format!(
+                "/v1/conversations/{conv}/messages/range?from={from}&to={to}"
+            ))
+            .await
+            .unwrap();
+        out.extend(page["messages"].as_array().unwrap().iter().cloned());
+        from = to + 1;
+    }
+    out
+}
+
+/// Every entry of a user's inbox, by pulling over a WebSocket.
+async fn whole_inbox(ws: &mut WsConn) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut from = 1;
+    let mut req = 1000;
+    loop {
+        req += 1;
+        let r = request(
+            ws,
+            json!({"type": "pull", "chain": "user", "from": from, "limit": 200}),
+            req,
+        )
+        .await;
+        let items = r["items"].as_array().unwrap().clone();
+        if items.is_empty() {
+            break;
+        }
+        from = items.last().unwrap()["seq"].as_u64().unwrap() + 1;
+        out.extend(items);
+        if r["has_more"] == false {
+            break;
+        }
+    }
+    out
+}
+
+async fn exchange(users: u64, per_user: usize, group_share: u8) {
+    let s = spawn_server().await;
+    let ids: Vec<u64> = (1..=users).map(|i| 1000 + i).collect();
+    let mut tokens = HashMap::new();
+    for id in &ids {
+        tokens.insert(*id, s.token(*id).await);
+    }
+    let owner = s.anon().with_bearer(tokens[&ids[0]].clone());
+    let g = owner
+        .post("/v1/groups", &json!({"name": "all", "members": ids[1..]}))
+        .await
+        .unwrap();
+    let group = g["conversation_id"].as_str().unwrap().to_owned();
+    let mut tasks = Vec::new();
+    for (ui, id) in ids.iter().enumerate() {
+        let mut ws = s.ws(&tokens[id], "dev").await;
+        let ids = ids.clone();
+        let group = group.clone();
+        let id = *id;
+        tasks.push(tokio::spawn(async move {
+            // Pipelined: all frames first, then all acks.
+            for n in 0..per_user {
+                let pick = (n * 7 + ui * 13) % 100;
+                let to = if (pick as u8) < group_share {
+                    json!({"conversation": group})
+                } else {
+                    let peer = ids[(ui + 1 + n % (ids.len() - 1)) % ids.len()];
+                    json!({"user": peer})
+                };
+                let f = json!({"type": "send", "req": n, "client_msg_id": format!("u{id}-{n:05}"), "to": to, "kind": "text", "content": format!("{n}")});
+                ws.send(&f).await.unwrap();
+            }
+            let mut acks = 0;
+            while acks < per_user {
+                let v = ws.recv_until(WAIT, |v| v["type"] == "send_ack" || v["type"] == "error").await.unwrap().expect("ack");
+                assert_eq!(v["type"], "send_ack", "{v}");
+                acks += 1;
+            }
+            ws
+        }));
+    }
+    let mut conns = Vec::new();
+    for t in tasks {
+        conns.push(t.await.unwrap());
+    }
+    let total_sent = users as usize * per_user;
+    // Every conversation: seqs 1..n exactly once; each sender's messages in the order sent.
+    let mut convs: Vec<String> = vec![group.clone()];
+    for a in &ids {
+        for b in &ids {
+            if a < b {
+                convs.push(format!("{a}-{b}"));
+            }
+        }
+    }
+    let mut stored = 0;
+    let mut members_of: HashMap<String, Vec<u64>> = HashMap::new();
+    for conv in &convs {
+        let (lo, hi) = conv
+            .split_once('-')
+            .map(|(a, b)| (a.parse::<u64>().unwrap(), b.parse::<u64>().unwrap()))
+            .unwrap_or((ids[0], ids[0]));
+        let reader = s.anon().with_bearer(tokens[&lo].clone());
+        let Ok(_) = reader.get(&format!("/v1/conversations/{conv}")).await else {
+            continue;
+        };
+        members_of.insert(
+            conv.clone(),
+            if conv.starts_with('g') {
+                ids.clone()
+            } else {
+                vec![lo, hi]
+            },
+        );
+        let chain = whole_chain(&reader, conv).await;
+        for (i, m) in chain.iter().enumerate() {
+            assert_eq!(
+                m["seq"].as_u64().unwrap(),
+                i as u64 + 1,
+                "{conv} has a hole or repeat"
+            );
+        }
+        let mut last_by_sender: HashMap<u64, String> = HashMap::new();
+        for m in chain.iter().filter(|m| m["kind"] == "text") {
+            stored += 1;
+            let cmid = m["client_msg_id"].as_str().unwrap().to_owned();
+            let sender = m["sender"].as_u64().unwrap();
+            if let Some(prev) = last_by_sender.insert(sender, cmid.clone()) {
+                assert!(prev < cmid, "{conv}: {prev} stored after {cmid}");
+            }
+        }
+    }
+    assert_eq!(stored, total_sent, "every acknowledged send is stored once");
+    // Every inbox: 1..n exactly once, and holds every message of the user's conversations.
+    for (ui, ws) in conns.iter_mut().enumerate() {
+        let me = ids[ui];
+        let inbox = whole_inbox(ws).await;
+        for (i, item) in inbox.iter().enumerate() {
+            assert_eq!(
+                item["seq"].as_u64().unwrap(),
+                i as u64 + 1,
+                "inbox of {me} has a hole or repeat"
+            );
+        }
+        let mut expected = 0;
+        for (conv, members) in &members_of {
+            if members.contains(&me) {
+                let reader = s.anon().with_bearer(tokens[&me].clone());
+                expected += reader
+                    .get(&format!("/v1/conversations/{conv}"))
+                    .await
+                    .unwrap()["seq"]
+                    .as_u64()
+                    .unwrap();
+            }
+        }
+        assert_eq!(
+            inbox.len() as u64,
+            expected,
+            "inbox of {me} holds every message once"
+        );
+        // Within each conversation, the inbox follows the conversation's order.
+        let mut last: HashMap<String, u64> = HashMap::new();
+        for item in &inbox {
+            let conv = item["message"]["conversation_id"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            let seq = item["message"]["seq"].as_u64().unwrap();
+            let prev = last.insert(conv, seq).unwrap_or(0);
+            assert!(seq > prev);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 4, failure_persistence: None, ..ProptestConfig::default() })]
+    #[test]
+    fn concurrent_senders_get_gap_free_chains(users in 2u64..6, per_user in 5usize..40, group_share in 0u8..100) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(exchange(users, per_user, group_share));
+    }
+}
+
+#[tokio::test]
+async fn twenty_concurrent_duplicates_store_one_message() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let a = alice.clone();
+        tasks.push(tokio::spawn(async move {
+            a.post("/v1/messages", &text_to_user("dup-1", 222, "once"))
+                .await
+                .unwrap()
+        }));
+    }
+    let mut acks = Vec::new();
+    for t in tasks {
+        acks.push(t.await.unwrap());
+    }
+    let first = acks.iter().filter(|a| a["duplicate"] == false).count();
+    assert_eq!(first, 1, "exactly one send is the original");
+    assert!(
+        acks.iter()
+            .all(|a| a["msg_id"] == acks[0]["msg_id"] && a["seq"] == 1)
+    );
+    let page = alice
+        .get("/v1/conversations/111-222/messages")
+        .await
+        .unwrap();
+    assert_eq!(page["messages"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_retry_after_a_restart_gets_the_same_ack_and_seqs_continue() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    let first = alice
+        .post("/v1/messages", &text_to_user("keep", 222, "before"))
+        .await
+        .unwrap();
+    alice
+        .post("/v1/messages", &text_to_user("keep2", 222, "before 2"))
+        .await
+        .unwrap();
+    let token = s.token(111).await;
+    let s = s.restart().await;
+    let alice = s.anon().with_bearer(token);
+    let again = alice
+        .post("/v1/messages", &text_to_user("keep", 222, "before"))
+        .await
+        .unwrap();
+    assert_eq!(again["msg_id"], first["msg_id"]);
+    assert_eq!(again["seq"], 1);
+    assert_eq!(again["duplicate"], true);
+    let next = alice
+        .post("/v1/messages", &text_to_user("after", 222, "after"))
+        .await
+        .unwrap();
+    assert_eq!(next["seq"], 3);
+    assert!(
+        next["msg_id"].as_str().unwrap().parse::<u64>().unwrap()
+            > first["msg_id"].as_str().unwrap().parse::<u64>().unwrap()
+    );
+}

@@ -1,0 +1,233 @@
+//! Bad input: every malformed frame or request gets its error and the server keeps serving.
+
+use crate::*;
+use serde_json::json;
+
+async fn connected() -> (TestServer, WsConn) {
+    let s = spawn_server().await;
+    let t = s.token(111).await;
+    let _ = s.token(222).await;
+    let ws = s.ws(&t, "d").await;
+    (s, ws)
+}
+
+async fn expect_error(ws: &mut WsConn, code: &str) -> Value {
+    let v = ws
+        .recv_until(WAIT, |v| v["type"] == "error")
+        .await
+        .unwrap()
+        .expect("an error frame");
+    assert_eq!(v["code"], code, "{v}");
+    assert!(v["message"].is_string());
+    v
+}
+
+#[tokio::test]
+async fn malformed_frames_get_invalid_argument_and_the_connection_stays() {
+    let (_s, mut ws) = connected().await;
+    ws.send_text("not json".into()).await.unwrap();
+    expect_error(&mut ws, "invalid_argument").await;
+    ws.send_text("[1,2]".into()).await.unwrap();
+    expect_error(&mut ws, "invalid_argument").await;
+    ws.send(&json!({"req": 5})).await.unwrap();
+    let e = expect_error(&mut ws, "invalid_argument").await;
+    assert_eq!(e["req"], 5);
+    ws.send(&json!({"type": "teleport", "req": 6}))
+        .await
+        .unwrap();
+    assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 6);
+    // Wrong field types.
+    ws.send(&json!({"type": "send", "req": 7, "client_msg_id": 12, "to": {"user": 222}, "kind": "text", "content": "x"})).await.unwrap();
+    assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 7);
+    ws.send(&json!({"type": "send", "req": 8, "client_msg_id": "ok", "to": {"user": "222"}, "kind": "text", "content": "x"})).await.unwrap();
+    assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 8);
+    ws.send(&json!({"type": "send", "req": 9, "client_msg_id": "bad id!", "to": {"user": 222}, "kind": "text", "content": "x"})).await.unwrap();
+    assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 9);
+    ws.send(&json!({"type": "send", "req": 10, "client_msg_id": "k", "to": {"user": 222}, "kind": "hologram", "content": "x"})).await.unwrap();
+    assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 10);
+    ws.send(&json!({"type": "send", "req": 11, "client_msg_id": "k", "to": {"user": 222}, "kind": "text", "content": ""})).await.unwrap();
+    assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 11);
+    ws.send(&json!({"type": "send", "req": 12, "client_msg_id": "k", "to": {}, "kind": "text", "content": "x"})).await.unwrap();
+    assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 12);
+    ws.send_binary(vec![1, 2, 3]).await.unwrap();
+    expect_error(&mut ws, "invalid_argument").await;
+    // Still serving.
+    let ack = request(
+        &mut ws,
+        send_frame(text_to_user("fine", 222, "still here")),
+        13,
+    )
+    .await;
+    assert_eq!(ack["type"], "send_ack");
+}
+
+#[tokio::test]
+async fn oversized_content_and_frames() {
+    let s = spawn_with(|c| c.max_content_bytes = 1000).await;
+    let t = s.token(111).await;
+    let _ = s.token(222).await;
+    let mut ws = s.ws(&t, "d").await;
+    let big = "x".repeat(1001);
+    ws.send(&json!({"type": "send", "req": 1, "client_msg_id": "b", "to": {"user": 222}, "kind": "text", "content": big})).await.unwrap();
+    assert_eq!(expect_error(&mut ws, "payload_too_large").await["req"], 1);
+    let alice = s.user(111).await;
+    assert_eq!(
+        code_of(
+            alice
+                .post("/v1/messages", &text_to_user("b2", 222, &big))
+                .await
+        ),
+        "payload_too_large"
+    );
+    // A frame over 1 MiB that the server still reads: payload_too_large, connection kept.
+    let frame = json!({"type": "ping", "pad": "y".repeat((1 << 20) + 10)});
+    ws.send(&frame).await.unwrap();
+    expect_error(&mut ws, "payload_too_large").await;
+    let pong = request(&mut ws, json!({"type": "ping"}), 2).await;
+    assert_eq!(pong["type"], "pong");
+    // A frame the server will not read whole: closed with 1009.
+    let huge = "z".repeat(3 << 20);
+    let _ = ws.send_text(huge).await;
+    assert_eq!(ws.closed(WAIT).await, Some(1009));
+}
+
+#[tokio::test]
+async fn a_connection_that_keeps_sending_garbage_is_closed_with_1008() {
+    let (_s, mut ws) = connected().await;
+    for _ in 0..40 {
+        if ws.send_text("garbage".into()).await.is_err() {
+            break;
+        }
+    }
+    assert_eq!(ws.closed(WAIT).await, Some(1008));
+}
+
+#[tokio::test]
+async fn http_bad_input_gets_protocol_errors() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let (status, body) = alice
+        .raw(
+            reqwest::Method::POST,
+            "/v1/messages",
+            Some(&json!({"nonsense": true})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("invalid_argument"))
+    );
+    let client = reqwest::Client::new();
+    let resp = client
+        .post(format!("{}/v1/messages", s.base))
+        .bearer_auth(s.token(111).await)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["code"], "invalid_argument");
+    assert_eq!(
+        code_of(alice.get("/v1/conversations/not-an-id/messages").await),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(alice.get("/v1/conversations/222-111/messages").await),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(
+            alice
+                .get("/v1/conversations/111-222/messages?before=x")
+                .await
+        ),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(alice.get("/v1/messages/abc/versions").await),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(alice.get("/v1/messages/123/versions").await),
+        "not_found"
+    );
+    let (status, body) = alice
+        .raw(reqwest::Method::GET, "/v1/nothing-here", None)
+        .await
+        .unwrap();
+    assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
+    assert_eq!(
+        code_of(
+            s.admin
+                .post("/v1/admin/users", &json!({"user_id": 0}))
+                .await
+        ),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(
+            s.admin
+                .post("/v1/admin/users", &json!({"user_id": 9007199254740992u64}))
+                .await
+        ),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(
+            s.admin
+                .post("/v1/admin/tokens", &json!({"user_id": 111, "ttl_secs": 0}))
+                .await
+        ),
+        "invalid_argument"
+    );
+}
+
+#[tokio::test]
+async fn reading_someone_elses_conversation_reveals_nothing() {
+    let s = spawn_server().await;
+    let bob = s.user(222).await;
+    let _ = s.user(333).await;
+    let ack = bob
+        .post("/v1/messages", &text_to_user("p", 333, "private"))
+        .await
+        .unwrap();
+    let msg_id = ack["msg_id"].as_str().unwrap();
+    let t = s.token(111).await;
+    let eve = s.anon().with_bearer(t.clone());
+    for path in [
+        "/v1/conversations/222-333".to_string(),
+        "/v1/conversations/222-333/messages".to_string(),
+        "/v1/conversations/222-333/messages/range?from=1&to=1".to_string(),
+        "/v1/conversations/222-333/receipts?seq=1".to_string(),
+    ] {
+        let (status, body) = eve.raw(reqwest::Method::GET, &path, None).await.unwrap();
+        assert!(status == 403 || status == 404, "{path}: {status}");
+        assert!(body["code"] == "not_member" || body["code"] == "not_found");
+        assert!(!body.to_string().contains("private"));
+    }
+    assert_eq!(
+        code_of(eve.get(&format!("/v1/messages/{msg_id}/versions")).await),
+        "not_found"
+    );
+    assert_eq!(
+        code_of(
+            eve.post(&format!("/v1/messages/{msg_id}/recall"), &json!({}))
+                .await
+        ),
+        "not_found"
+    );
+    let mut ws = s.ws(&t, "e").await;
+    let r = request(&mut ws, json!({"type": "pull", "chain": "conversation", "conversation_id": "222-333", "from": 1, "to": 1}), 3).await;
+    assert_eq!(r["type"], "error");
+    assert_eq!(r["code"], "not_member");
+    let r = request(
+        &mut ws,
+        json!({"type": "read", "conversation_id": "222-333", "seq": 1}),
+        4,
+    )
+    .await;
+    assert_eq!(r["code"], "not_member");
+}

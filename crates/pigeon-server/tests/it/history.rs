@@ -1,0 +1,234 @@
+//! History pages by cursor in both directions and by time, and ranges (PROTOCOL.md 6).
+
+use crate::*;
+use serde_json::json;
+
+fn seqs(page: &Value) -> Vec<u64> {
+    page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["seq"].as_u64().unwrap())
+        .collect()
+}
+
+async fn conversation_with(n: u64) -> (TestServer, Http) {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    for i in 1..=n {
+        alice
+            .post(
+                "/v1/messages",
+                &text_to_user(&format!("h{i}"), 222, &format!("m{i}")),
+            )
+            .await
+            .unwrap();
+    }
+    (s, alice)
+}
+
+#[tokio::test]
+async fn pages_by_cursor_in_both_directions() {
+    let (_s, alice) = conversation_with(45).await;
+    let base = "/v1/conversations/111-222/messages";
+    let first = alice.get(base).await.unwrap();
+    assert_eq!(seqs(&first), (26..=45).collect::<Vec<_>>());
+    assert_eq!(first["has_more"], true);
+    let older = alice.get(&format!("{base}?before=26")).await.unwrap();
+    assert_eq!(seqs(&older), (6..=25).collect::<Vec<_>>());
+    assert_eq!(older["has_more"], true);
+    let oldest = alice.get(&format!("{base}?before=6")).await.unwrap();
+    assert_eq!(seqs(&oldest), (1..=5).collect::<Vec<_>>());
+    assert_eq!(oldest["has_more"], false);
+    let newer = alice
+        .get(&format!("{base}?after=40&limit=3"))
+        .await
+        .unwrap();
+    assert_eq!(seqs(&newer), vec![41, 42, 43]);
+    assert_eq!(newer["has_more"], true);
+    let newest = alice
+        .get(&format!("{base}?after=43&limit=3"))
+        .await
+        .unwrap();
+    assert_eq!(seqs(&newest), vec![44, 45]);
+    assert_eq!(newest["has_more"], false);
+    let big = alice.get(&format!("{base}?limit=1000")).await.unwrap();
+    assert!(seqs(&big).len() <= 100);
+    assert_eq!(
+        code_of(alice.get(&format!("{base}?before=5&after=2")).await),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(alice.get(&format!("{base}?limit=0")).await),
+        "invalid_argument"
+    );
+}
+
+#[tokio::test]
+async fn ranges_are_inclusive_and_bounded() {
+    let (_s, alice) = conversation_with(12).await;
+    let base = "/v1/conversations/111-222/messages/range";
+    let r = alice.get(&format!("{base}?from=3&to=7")).await.unwrap();
+    assert_eq!(seqs(&r), vec![3, 4, 5, 6, 7]);
+    let r = alice.get(&format!("{base}?from=10&to=50")).await.unwrap();
+    assert_eq!(seqs(&r), vec![10, 11, 12]);
+    assert_eq!(
+        code_of(alice.get(&format!("{base}?from=1&to=201")).await),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(alice.get(&format!("{base}?from=5&to=4")).await),
+        "invalid_argument"
+    );
+    assert_eq!(
+        code_of(alice.get(&format!("{base}?from=5")).await),
+        "invalid_argument"
+    );
+}
+
+#[tokio::test]
+async fn pages_by_time() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    let mut times = Vec::new();
+    for i in 1..=6 {
+        let ack = alice
+            .post("/v1/messages", &text_to_user(&format!("t{i}"), 222, "x"))
+            .await
+            .unwrap();
+        times.push(ack["created_at"].as_i64().unwrap());
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    let base = "/v1/conversations/111-222/messages";
+    let page = alice
+        .get(&format!(
+            "{base}?from_time={}&to_time={}",
+            times[1], times[3]
+        ))
+        .await
+        .unwrap();
+    assert_eq!(seqs(&page), vec![2, 3, 4]);
+    let page = alice
+        .get(&format!("{base}?from_time={}", times[4]))
+        .await
+        .unwrap();
+    assert_eq!(seqs(&page), vec![5, 6]);
+    let page = alice
+        .get(&format!("{base}?to_time={}&limit=1", times[2]))
+        .await
+        .unwrap();
+    assert_eq!(seqs(&page), vec![3]);
+    assert_eq!(page["has_more"], true);
+}
+
+#[tokio::test]
+async fn conversation_list_is_ordered_by_activity_and_pages_by_cursor() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    for peer in 201..=205u64 {
+        let _ = s.user(peer).await;
+        alice
+            .post(
+                "/v1/messages",
+                &text_to_user(&format!("c{peer}"), peer, "hi"),
+            )
+            .await
+            .unwrap();
+    }
+    // 202 becomes the most recent.
+    alice
+        .post("/v1/messages", &text_to_user("again", 202, "again"))
+        .await
+        .unwrap();
+    let page = alice.get("/v1/conversations?limit=2").await.unwrap();
+    let ids: Vec<&str> = page["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["conversation_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec!["111-202", "111-205"]);
+    let cursor = page["next_cursor"].as_str().unwrap().to_owned();
+    let next = alice
+        .get(&format!("/v1/conversations?limit=2&cursor={cursor}"))
+        .await
+        .unwrap();
+    let ids: Vec<&str> = next["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["conversation_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec!["111-204", "111-203"]);
+    let c = &page["conversations"][0];
+    for field in [
+        "conversation_id",
+        "type",
+        "peer",
+        "name",
+        "member_count",
+        "seq",
+        "fanout",
+        "last_message",
+        "unread",
+        "last_read_seq",
+        "pinned",
+        "muted",
+        "updated_at",
+    ] {
+        assert!(c.get(field).is_some(), "missing {field}");
+    }
+    assert_eq!(c["last_message"]["content"], "again");
+    assert_eq!(c["seq"], 2);
+    assert_eq!(
+        code_of(alice.get("/v1/conversations?cursor=garbage").await),
+        "invalid_argument"
+    );
+}
+
+#[tokio::test]
+async fn pull_returns_complete_ranges_with_has_more() {
+    let (s, _alice) = conversation_with(250).await;
+    let tb = s.token(222).await;
+    let mut ws = s.ws(&tb, "b").await;
+    assert_eq!(ws.hello["user_seq"], 250);
+    let r = request(
+        &mut ws,
+        json!({"type": "pull", "chain": "user", "from": 1, "to": 250, "limit": 500}),
+        1,
+    )
+    .await;
+    let items = r["items"].as_array().unwrap();
+    assert_eq!(items.len(), 200);
+    assert_eq!(items[0]["seq"], 1);
+    assert_eq!(items[199]["seq"], 200);
+    assert_eq!(r["has_more"], true);
+    let r = request(
+        &mut ws,
+        json!({"type": "pull", "chain": "user", "from": 201}),
+        2,
+    )
+    .await;
+    assert_eq!(r["items"].as_array().unwrap().len(), 50);
+    assert_eq!(r["has_more"], false);
+    let r = request(&mut ws, json!({"type": "pull", "chain": "conversation", "conversation_id": "111-222", "from": 240, "to": 245}), 3).await;
+    let got: Vec<u64> = r["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["seq"].as_u64().unwrap())
+        .collect();
+    assert_eq!(got, vec![240, 241, 242, 243, 244, 245]);
+    assert_eq!(r["items"][0]["message"]["seq"], 240);
+    assert_eq!(r["has_more"], false);
+    let r = request(
+        &mut ws,
+        json!({"type": "pull", "chain": "user", "from": 1, "to": 10, "limit": 3}),
+        4,
+    )
+    .await;
+    assert_eq!(r["items"].as_array().unwrap().len(), 3);
+    assert_eq!(r["has_more"], true);
+}

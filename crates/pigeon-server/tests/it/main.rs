@@ -1,0 +1,165 @@
+//! Black-box tests of the server through the real protocol: each test starts a server on
+//! port 0 with its own data directory and talks to it with real HTTP and WebSocket clients.
+//! One test binary (one module per feature) keeps link time down.
+
+mod basics;
+mod concurrency;
+mod errors;
+mod history;
+
+use pigeon_client::{Http, WsConn};
+use pigeon_server::{Config, Running};
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+pub const WAIT: Duration = Duration::from_secs(10);
+pub const ADMIN_KEY: &str = "test-admin-key-0123456789";
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new() -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "pigeon-it-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub struct TestServer {
+    pub running: Option<Running>,
+    pub base: String,
+    pub ws_base: String,
+    pub admin: Http,
+    pub dir: std::sync::Arc<TempDir>,
+    pub cfg: Config,
+}
+
+pub fn test_config(dir: &TempDir) -> Config {
+    Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: dir.0.clone(),
+        admin_key: Some(ADMIN_KEY.into()),
+        ..Config::default()
+    }
+}
+
+pub async fn spawn_server() -> TestServer {
+    spawn_with(|_| {}).await
+}
+
+pub async fn spawn_with(tweak: impl FnOnce(&mut Config)) -> TestServer {
+    let dir = std::sync::Arc::new(TempDir::new());
+    let mut cfg = test_config(&dir);
+    tweak(&mut cfg);
+    start_on(cfg, dir).await
+}
+
+pub async fn start_on(cfg: Config, dir: std::sync::Arc<TempDir>) -> TestServer {
+    let running = pigeon_server::start(cfg.clone())
+        .await
+        .expect("server starts");
+    let base = format!("http://{}", running.addr);
+    let ws_base = format!("ws://{}", running.addr);
+    let admin = Http::new(base.clone()).with_bearer(ADMIN_KEY);
+    TestServer {
+        running: Some(running),
+        base,
+        ws_base,
+        admin,
+        dir,
+        cfg,
+    }
+}
+
+impl TestServer {
+    /// Registers `id` and answers an HTTP client acting as them.
+    pub async fn user(&self, id: u64) -> Http {
+        let token = self.token(id).await;
+        Http::new(self.base.clone()).with_bearer(token)
+    }
+
+    /// Registers `id` (if needed) and mints a token.
+    pub async fn token(&self, id: u64) -> String {
+        self.admin
+            .upsert_user(id, &format!("user{id}"))
+            .await
+            .expect("register user");
+        self.admin.mint_token(id, 3600).await.expect("mint token")
+    }
+
+    pub async fn ws(&self, token: &str, device: &str) -> WsConn {
+        WsConn::connect(&self.ws_base, token, device)
+            .await
+            .expect("websocket connects")
+    }
+
+    pub fn anon(&self) -> Http {
+        Http::new(self.base.clone())
+    }
+
+    /// Stops the server gracefully and starts it again on the same data directory.
+    pub async fn restart(mut self) -> TestServer {
+        let mut cfg = self.cfg.clone();
+        if let Some(r) = self.running.take() {
+            cfg.listen = r.addr;
+            r.shutdown().await;
+        }
+        start_on(cfg, self.dir.clone()).await
+    }
+}
+
+/// A text send body.
+pub fn text_to_user(cmid: &str, to: u64, content: &str) -> Value {
+    json!({"client_msg_id": cmid, "to": {"user": to}, "kind": "text", "content": content})
+}
+
+pub fn text_to_conv(cmid: &str, conv: &str, content: &str) -> Value {
+    json!({"client_msg_id": cmid, "to": {"conversation": conv}, "kind": "text", "content": content})
+}
+
+/// Sends a frame and waits for the frame answering its `req`.
+pub async fn request(ws: &mut WsConn, mut frame: Value, req: i64) -> Value {
+    frame["req"] = json!(req);
+    ws.send(&frame).await.expect("send frame");
+    ws.recv_until(WAIT, |v| v["req"] == json!(req))
+        .await
+        .expect("recv")
+        .unwrap_or_else(|| panic!("no reply to req {req}"))
+}
+
+/// Waits for the next `msg` push.
+pub async fn next_msg(ws: &mut WsConn) -> Value {
+    ws.recv_until(WAIT, |v| v["type"] == "msg")
+        .await
+        .expect("recv")
+        .expect("a msg push")
+}
+
+/// The protocol error code of a failed HTTP call.
+pub fn code_of<T: std::fmt::Debug>(r: Result<T, pigeon_client::ClientError>) -> String {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.code().unwrap_or("no code").to_owned(),
+    }
+}
+
+/// The `send` frame carrying an HTTP send body.
+pub fn send_frame(mut body: Value) -> Value {
+    body["type"] = json!("send");
+    body
+}
