@@ -1,0 +1,356 @@
+//! Tests of the `pigeon` binary as a process: zero-configuration start, settings from flags,
+//! environment and file, graceful shutdown, and crash safety under SIGKILL.
+
+use pigeon_client::{Http, WsConn};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+const KEY: &str = "cli-test-admin-key-0123456789";
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("pigeon-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).unwrap();
+    p
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Proc {
+    child: Child,
+    base: String,
+    stdout_lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
+
+async fn start(dir: &Path, port: u16, extra: &[&str], env: &[(&str, &str)]) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pigeon"));
+    cmd.arg("serve")
+        .args(extra)
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    cmd.env_remove("PIGEON_ADMIN_KEY")
+        .env_remove("PIGEON_LISTEN");
+    if !extra.contains(&"--listen") && !env.iter().any(|(k, _)| *k == "PIGEON_LISTEN") {
+        cmd.arg("--listen").arg(format!("127.0.0.1:{port}"));
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("pigeon starts");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stdout).lines();
+        while let Ok(Some(l)) = lines.next_line().await {
+            let _ = tx.send(l);
+        }
+    });
+    let base = format!("http://127.0.0.1:{port}");
+    let http = Http::new(base.clone());
+    for _ in 0..200 {
+        if let Ok((200, _)) = http.raw(reqwest::Method::GET, "/readyz", None).await {
+            return Proc {
+                child,
+                base,
+                stdout_lines: rx,
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("server did not become ready");
+}
+
+#[tokio::test]
+async fn serve_with_no_configuration_generates_and_keeps_an_admin_key() {
+    let dir = temp_dir("zero");
+    let port = free_port();
+    let mut p = start(&dir, port, &[], &[]).await;
+    let mut key = None;
+    while let Ok(Some(line)) =
+        tokio::time::timeout(Duration::from_secs(5), p.stdout_lines.recv()).await
+    {
+        if let Some(k) = line.strip_prefix("pigeon: generated admin key") {
+            key = k.rsplit(' ').next().map(str::to_owned);
+            break;
+        }
+    }
+    let key = key.expect("the generated admin key is printed");
+    assert!(
+        dir.join("data").join("pigeon.db").exists(),
+        "the store lives under ./data"
+    );
+    let admin = Http::new(p.base.clone()).with_bearer(key.clone());
+    admin
+        .upsert_user(1, "a")
+        .await
+        .expect("the printed key is the admin key");
+    p.child.kill().await.unwrap();
+    // The second start keeps the same key and does not print a new one.
+    let p2 = start(&dir, port, &[], &[]).await;
+    let admin = Http::new(p2.base.clone()).with_bearer(key);
+    admin
+        .upsert_user(2, "b")
+        .await
+        .expect("the key survives a restart");
+}
+
+#[tokio::test]
+async fn settings_come_from_flags_over_env_over_file() {
+    let dir = temp_dir("cfg");
+    let port = free_port();
+    std::fs::write(
+        dir.join("p.toml"),
+        format!("admin-key = \"{KEY}\"\nrecall-window-secs = 1\nlisten = \"127.0.0.1:1\"\n"),
+    )
+    .unwrap();
+    let listen = format!("127.0.0.1:{port}");
+    // The file says port 1; the environment wins; the admin key comes from the file.
+    let p = start(
+        &dir,
+        port,
+        &["--config", "p.toml"],
+        &[
+            ("PIGEON_LISTEN", &listen),
+            ("PIGEON_MAX_CONTENT_BYTES", "10"),
+        ],
+    )
+    .await;
+    let admin = Http::new(p.base.clone()).with_bearer(KEY);
+    admin.upsert_user(1, "a").await.unwrap();
+    admin.upsert_user(2, "b").await.unwrap();
+    let user = Http::new(p.base.clone()).with_bearer(admin.mint_token(1, 60).await.unwrap());
+    let err = user
+        .post("/v1/messages", &json!({"client_msg_id": "x", "to": {"user": 2}, "kind": "text", "content": "more than ten bytes"}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some("payload_too_large"));
+}
+
+#[tokio::test]
+async fn bad_settings_fail_loudly() {
+    let dir = temp_dir("bad");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pigeon"))
+        .args(["serve", "--admin-key", "short", "--listen", "127.0.0.1:0"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("admin-key"));
+}
+
+#[tokio::test]
+async fn sigterm_closes_connections_with_a_close_frame_and_exits_cleanly() {
+    let dir = temp_dir("term");
+    let port = free_port();
+    let mut p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    let admin = Http::new(p.base.clone()).with_bearer(KEY);
+    admin.upsert_user(1, "a").await.unwrap();
+    let token = admin.mint_token(1, 60).await.unwrap();
+    let mut ws = WsConn::connect(&p.base.replace("http", "ws"), &token, "d")
+        .await
+        .unwrap();
+    let pid = p.child.id().unwrap();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert_eq!(ws.closed(Duration::from_secs(10)).await, Some(1001));
+    let status = tokio::time::timeout(Duration::from_secs(15), p.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "clean exit: {status:?}");
+}
+
+/// Sends as fast as acks allow until killed; returns every ack received.
+async fn send_until_killed(
+    ws_base: String,
+    token: String,
+    me: u64,
+    peers: Vec<u64>,
+    group: String,
+) -> Vec<Value> {
+    let Ok(mut ws) = WsConn::connect(&ws_base, &token, "load").await else {
+        return Vec::new();
+    };
+    let mut acks = Vec::new();
+    let mut n = 0u64;
+    loop {
+        // A window of 16 sends in flight.
+        for _ in 0..16 {
+            n += 1;
+            let to = if n.is_multiple_of(3) {
+                json!({"conversation": group})
+            } else {
+                json!({"user": peers[(n as usize) % peers.len()]})
+            };
+            let f = json!({"type": "send", "client_msg_id": format!("c{me}-{n:06}"), "to": to, "kind": "text", "content": format!("{n}")});
+            if ws.send(&f).await.is_err() {
+                return acks;
+            }
+        }
+        let mut got = 0;
+        while got < 16 {
+            match ws.recv(Duration::from_secs(5)).await {
+                Ok(Some(v)) if v["type"] == "send_ack" => {
+                    acks.push(v);
+                    got += 1;
+                }
+                Ok(Some(_)) => {}
+                _ => return acks,
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn sigkill_during_a_send_load_loses_no_acknowledged_message() {
+    let dir = temp_dir("kill");
+    let port = free_port();
+    let users: Vec<u64> = (1..=4).collect();
+    let mut p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    let admin = Http::new(p.base.clone()).with_bearer(KEY);
+    let mut tokens = HashMap::new();
+    for u in &users {
+        admin.upsert_user(*u, "u").await.unwrap();
+        tokens.insert(*u, admin.mint_token(*u, 3600).await.unwrap());
+    }
+    let owner = Http::new(p.base.clone()).with_bearer(tokens[&1].clone());
+    let group = owner
+        .post("/v1/groups", &json!({"name": "g", "members": [2, 3, 4]}))
+        .await
+        .unwrap()["conversation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let ws_base = p.base.replace("http", "ws");
+    let mut tasks = Vec::new();
+    for u in &users {
+        let peers: Vec<u64> = users.iter().copied().filter(|x| x != u).collect();
+        tasks.push(tokio::spawn(send_until_killed(
+            ws_base.clone(),
+            tokens[u].clone(),
+            *u,
+            peers,
+            group.clone(),
+        )));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    p.child.kill().await.unwrap(); // SIGKILL
+    let mut acks = Vec::new();
+    for t in tasks {
+        acks.extend(t.await.unwrap());
+    }
+    assert!(
+        acks.len() > 50,
+        "the load ran before the kill ({} acks)",
+        acks.len()
+    );
+
+    let p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    let reader_of = |conv: &str| -> u64 {
+        match conv.split_once('-') {
+            Some((a, _)) => a.parse().unwrap(),
+            None => 1,
+        }
+    };
+    // Read every chain back whole.
+    let mut chains: HashMap<String, Vec<Value>> = HashMap::new();
+    let mut convs: Vec<String> = acks
+        .iter()
+        .map(|a| a["conversation_id"].as_str().unwrap().to_owned())
+        .collect();
+    convs.sort();
+    convs.dedup();
+    for conv in &convs {
+        let h = Http::new(p.base.clone()).with_bearer(tokens[&reader_of(conv)].clone());
+        let head = h.get(&format!("/v1/conversations/{conv}")).await.unwrap()["seq"]
+            .as_u64()
+            .unwrap();
+        let mut all = Vec::new();
+        let mut from = 1;
+        while from <= head {
+            let to = (from + 199).min(head);
+            let page = h
+                .get(&format!(
+                    "/v1/conversations/{conv}/messages/range?from={from}&to={to}"
+                ))
+                .await
+                .unwrap();
+            all.extend(page["messages"].as_array().unwrap().iter().cloned());
+            from = to + 1;
+        }
+        for (i, m) in all.iter().enumerate() {
+            assert_eq!(
+                m["seq"].as_u64().unwrap(),
+                i as u64 + 1,
+                "{conv} is gap-free after the crash"
+            );
+        }
+        chains.insert(conv.clone(), all);
+    }
+    for a in &acks {
+        let conv = a["conversation_id"].as_str().unwrap();
+        let seq = a["seq"].as_u64().unwrap() as usize;
+        let m = &chains[conv][seq - 1];
+        assert_eq!(
+            m["msg_id"], a["msg_id"],
+            "acknowledged message {a} is where its ack said"
+        );
+        assert_eq!(m["client_msg_id"], a["client_msg_id"]);
+    }
+    // New sends continue at the next seq, and every inbox is still gap-free.
+    for conv in &convs {
+        let h = Http::new(p.base.clone()).with_bearer(tokens[&reader_of(conv)].clone());
+        let ack = h
+            .post("/v1/messages", &json!({"client_msg_id": format!("after-{conv}"), "to": {"conversation": conv}, "kind": "text", "content": "after"}))
+            .await
+            .unwrap();
+        assert_eq!(ack["seq"].as_u64().unwrap(), chains[conv].len() as u64 + 1);
+    }
+    for u in &users {
+        let mut ws = WsConn::connect(&ws_base, &tokens[u], "check")
+            .await
+            .unwrap();
+        let head = ws.hello["user_seq"].as_u64().unwrap();
+        let mut from = 1;
+        let mut req = 0;
+        while from <= head {
+            req += 1;
+            ws.send(
+                &json!({"type": "pull", "req": req, "chain": "user", "from": from, "limit": 200}),
+            )
+            .await
+            .unwrap();
+            let r = ws
+                .recv_until(Duration::from_secs(10), |v| v["req"] == req)
+                .await
+                .unwrap()
+                .unwrap();
+            let items = r["items"].as_array().unwrap();
+            assert!(!items.is_empty());
+            for (i, it) in items.iter().enumerate() {
+                assert_eq!(
+                    it["seq"].as_u64().unwrap(),
+                    from + i as u64,
+                    "inbox of {u} is gap-free"
+                );
+            }
+            from += items.len() as u64;
+        }
+        assert_eq!(from, head + 1);
+    }
+}
