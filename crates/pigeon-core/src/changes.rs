@@ -31,6 +31,7 @@ pub struct ConversationRow {
     pub owner: Option<UserId>,
     pub dismissed: bool,
     pub last_msg_id: Option<MsgId>,
+    pub read_fanout_since: Option<u64>,
     pub created_at: i64,
     pub updated_at: i64,
 }
@@ -49,6 +50,7 @@ impl ConversationRow {
             owner: s.owner,
             dismissed: s.dismissed,
             last_msg_id: s.last_msg_id,
+            read_fanout_since: s.read_fanout_since,
             created_at: s.created_at,
             updated_at: s.updated_at,
         }

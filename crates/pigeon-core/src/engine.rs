@@ -1088,6 +1088,9 @@ impl Engine {
             edited_at: None,
         });
         let fanout = conv.fanout(write_max);
+        if fanout == Fanout::Read && conv.read_fanout_since.is_none() {
+            conv.read_fanout_since = Some(seq);
+        }
         let mut recipients: Vec<Recipient> = Vec::with_capacity(conv.members.len() + also_to.len());
         let targets = conv.members.keys().copied().chain(also_to.iter().copied());
         match fanout {
@@ -1150,6 +1153,7 @@ fn new_conversation(
         owner,
         dismissed: false,
         last_msg_id: None,
+        read_fanout_since: None,
         created_at: now,
         updated_at: now,
         members,

@@ -39,6 +39,9 @@ pub struct ConversationState {
     pub owner: Option<UserId>,
     pub dismissed: bool,
     pub last_msg_id: Option<MsgId>,
+    /// The first seq delivered by read fan-out (none while the group never crossed the
+    /// threshold); a device's position in the chain starts no lower than this.
+    pub read_fanout_since: Option<u64>,
     pub created_at: i64,
     pub updated_at: i64,
     /// Current members only; former members live in the store with their `left_seq`.

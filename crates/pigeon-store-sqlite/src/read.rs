@@ -371,9 +371,9 @@ pub fn read_fanout_changes(
     given: &HashMap<String, u64>,
 ) -> rusqlite::Result<Vec<SyncConversation>> {
     let mut st = c.prepare_cached(
-        "SELECT c.conversation_id, c.seq, c.last_msg_id, mb.joined_seq, mb.last_read_seq FROM members mb \
+        "SELECT c.conversation_id, c.seq, c.last_msg_id, mb.joined_seq, mb.last_read_seq, c.read_fanout_since FROM members mb \
          JOIN conversations c ON c.conversation_id = mb.conversation_id \
-         WHERE mb.user_id = ?1 AND mb.left_seq IS NULL AND c.fanout = 'read'",
+         WHERE mb.user_id = ?1 AND mb.left_seq IS NULL AND c.read_fanout_since IS NOT NULL",
     )?;
     let groups = st
         .query_map([user.get() as i64], |r| {
@@ -383,17 +383,21 @@ pub fn read_fanout_changes(
                 r.get::<_, Option<i64>>(2)?,
                 r.get::<_, i64>(3)? as u64,
                 r.get::<_, i64>(4)? as u64,
+                r.get::<_, i64>(5)? as u64,
             ))
         })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let mut out = Vec::new();
-    for (id, seq, last_msg_id, joined_seq, last_read) in groups {
+    for (id, seq, last_msg_id, joined_seq, last_read, read_since) in groups {
+        // Without a given position: the device's cursor, but no lower than where the member
+        // joined, nor than where the group first used read fan-out (what came before reached
+        // them through their inbox).
         let position = match given.get(&id) {
             Some(p) => *p,
-            None => cursor(c, user, device, &id)?,
+            None => cursor(c, user, device, &id)?
+                .max(joined_seq.saturating_sub(1))
+                .max(read_since.saturating_sub(1)),
         };
-        // A member's part of the chain starts where they joined.
-        let position = position.max(joined_seq.saturating_sub(1));
         if seq <= position {
             continue;
         }

@@ -30,6 +30,7 @@ const MIGRATIONS: &[&str] = &[
         owner INTEGER,
         dismissed INTEGER NOT NULL DEFAULT 0,
         last_msg_id INTEGER,
+        read_fanout_since INTEGER,
         created_at INTEGER NOT NULL,
         updated_at INTEGER NOT NULL
     ) WITHOUT ROWID;

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
     let mut out = Loaded::default();
     let mut conv_stmt = c.prepare_cached(
-        "SELECT is_group, seq, name, notice, avatar, owner, dismissed, last_msg_id, created_at, updated_at \
+        "SELECT is_group, seq, name, notice, avatar, owner, dismissed, last_msg_id, created_at, updated_at, read_fanout_since \
          FROM conversations WHERE conversation_id = ?1",
     )?;
     let mut members_stmt = c.prepare_cached(
@@ -39,6 +39,7 @@ pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
                         .and_then(|v| pigeon_proto::MsgId::new(v as u64).ok()),
                     created_at: r.get(8)?,
                     updated_at: r.get(9)?,
+                    read_fanout_since: r.get::<_, Option<i64>>(10)?.map(|v| v as u64),
                     members: HashMap::new(),
                 })
             })
@@ -187,10 +188,10 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
         }
         let mut st = tx.prepare_cached(
             "INSERT INTO conversations (conversation_id, is_group, seq, member_count, fanout, name, notice, avatar, owner, \
-             dismissed, last_msg_id, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13) \
+             dismissed, last_msg_id, created_at, updated_at, read_fanout_since) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) \
              ON CONFLICT (conversation_id) DO UPDATE SET seq = excluded.seq, member_count = excluded.member_count, \
              fanout = excluded.fanout, name = excluded.name, notice = excluded.notice, avatar = excluded.avatar, \
-             owner = excluded.owner, dismissed = excluded.dismissed, last_msg_id = excluded.last_msg_id, \
+             owner = excluded.owner, dismissed = excluded.dismissed, last_msg_id = excluded.last_msg_id, read_fanout_since = excluded.read_fanout_since, \
              updated_at = excluded.updated_at",
         )?;
         for s in &ch.conversations {
@@ -212,6 +213,7 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
                 s.last_msg_id.map(|m| m.get() as i64),
                 s.created_at,
                 s.updated_at,
+                s.read_fanout_since.map(|v| v as i64),
             ])?;
         }
         let mut st = tx.prepare_cached(

@@ -4,8 +4,12 @@
 
 mod basics;
 mod concurrency;
+mod delivery;
 mod errors;
+mod groups;
 mod history;
+mod message_ops;
+mod reads;
 
 use pigeon_client::{Http, WsConn};
 use pigeon_server::{Config, Running};

@@ -1,0 +1,843 @@
+//! Group management (PROTOCOL.md 6 Groups) and the command messages it writes (section 1):
+//! every change is a message of the group's chain, pushed to every member and kept in history.
+
+use crate::*;
+use reqwest::Method;
+use serde_json::json;
+
+/// Creates a group owned by `owner` with `members`; answers its conversation id.
+async fn group(owner: &Http, members: &[u64]) -> String {
+    let g = owner
+        .post("/v1/groups", &json!({"name": "team", "members": members}))
+        .await
+        .expect("group created");
+    g["conversation_id"].as_str().unwrap().to_owned()
+}
+
+async fn delete(h: &Http, path: &str) -> Result<Value, pigeon_client::ClientError> {
+    h.call(Method::DELETE, path, None).await
+}
+
+async fn put(h: &Http, path: &str) -> Result<Value, pigeon_client::ClientError> {
+    h.call(Method::PUT, path, None).await
+}
+
+async fn patch(h: &Http, path: &str, body: &Value) -> Result<Value, pigeon_client::ClientError> {
+    h.call(Method::PATCH, path, Some(body)).await
+}
+
+/// Waits for the push of a message of `kind` in `conv`; answers the message object.
+async fn pushed(ws: &mut WsConn, conv: &str, kind: &str) -> Value {
+    let push = ws
+        .recv_until(WAIT, |v| {
+            v["type"] == "msg"
+                && v["message"]["conversation_id"] == conv
+                && v["message"]["kind"] == kind
+        })
+        .await
+        .expect("recv")
+        .unwrap_or_else(|| panic!("no {kind} push in {conv}"));
+    push["message"].clone()
+}
+
+/// Every connection gets the same `kind` command message; answers it.
+async fn command_reaches_all(conns: &mut [&mut WsConn], conv: &str, kind: &str) -> Value {
+    let mut first: Option<Value> = None;
+    for ws in conns.iter_mut() {
+        let m = pushed(ws, conv, kind).await;
+        match &first {
+            None => first = Some(m),
+            Some(f) => {
+                assert_eq!(m["msg_id"], f["msg_id"], "the same message reaches everyone");
+                assert_eq!(m["seq"], f["seq"]);
+            }
+        }
+    }
+    first.expect("at least one connection")
+}
+
+/// Asserts no message of `conv` after `seq` is pushed to `ws` within 300 ms.
+async fn no_push_after(ws: &mut WsConn, conv: &str, seq: u64) {
+    let got = ws
+        .recv_until(Duration::from_millis(300), |v| {
+            v["type"] == "msg"
+                && v["message"]["conversation_id"] == conv
+                && v["message"]["seq"].as_u64().unwrap_or(0) > seq
+        })
+        .await
+        .expect("recv");
+    assert!(got.is_none(), "unexpected push after seq {seq}: {got:?}");
+}
+
+/// The messages of a history page.
+async fn history(h: &Http, conv: &str, query: &str) -> Vec<Value> {
+    let page = h
+        .get(&format!("/v1/conversations/{conv}/messages{query}"))
+        .await
+        .expect("history");
+    page["messages"].as_array().unwrap().clone()
+}
+
+/// The message at `seq` in `h`'s view of the history.
+async fn at_seq(h: &Http, conv: &str, seq: u64) -> Value {
+    let page = h
+        .get(&format!(
+            "/v1/conversations/{conv}/messages/range?from={seq}&to={seq}"
+        ))
+        .await
+        .expect("range");
+    let msgs = page["messages"].as_array().unwrap();
+    assert_eq!(msgs.len(), 1, "one message at seq {seq}: {page}");
+    msgs[0].clone()
+}
+
+async fn newest_seq(h: &Http, conv: &str) -> u64 {
+    h.get(&format!("/v1/conversations/{conv}"))
+        .await
+        .expect("conversation")["seq"]
+        .as_u64()
+        .unwrap()
+}
+
+/// The (user_id, role) pairs of the member list.
+async fn roles(h: &Http, conv: &str) -> Vec<(u64, String)> {
+    let list = h
+        .get(&format!("/v1/groups/{conv}/members"))
+        .await
+        .expect("members");
+    list["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["user_id"].as_u64().unwrap(),
+                m["role"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+async fn member(h: &Http, conv: &str, uid: u64) -> Value {
+    let list = h
+        .get(&format!("/v1/groups/{conv}/members?limit=1000"))
+        .await
+        .expect("members");
+    list["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["user_id"] == uid)
+        .cloned()
+        .unwrap_or_else(|| panic!("{uid} is not listed: {list}"))
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    let mut out: Vec<u64> = v
+        .as_array()
+        .unwrap_or_else(|| panic!("an array: {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn any_member_invites_and_every_member_hears_of_it() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let (tb, tc) = (s.token(222).await, s.token(333).await);
+    let bob = s.anon().with_bearer(tb.clone());
+    let carol = s.anon().with_bearer(tc.clone());
+    let id = group(&alice, &[222]).await;
+    for i in 0..3 {
+        alice
+            .post(
+                "/v1/messages",
+                &text_to_conv(&format!("pre{i}"), &id, "before carol"),
+            )
+            .await
+            .unwrap();
+    }
+    let ta = s.token(111).await;
+    let mut a = s.ws(&ta, "a").await;
+    let mut b = s.ws(&tb, "b").await;
+    let mut c = s.ws(&tc, "c").await;
+
+    // A plain member may invite.
+    let conv = bob
+        .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [333]}))
+        .await
+        .unwrap();
+    assert_eq!(conv["member_count"], 3);
+    let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "member_invited").await;
+    assert_eq!(cmd["seq"], 5);
+    assert_eq!(cmd["sender"], 222);
+    assert_eq!(cmd["extra"]["from_user"], 222);
+    assert_eq!(ids(&cmd["extra"]["to_users"]), vec![333]);
+    assert_eq!(cmd["status"], "normal");
+    // It is in everyone's history, at its seq.
+    for h in [&alice, &bob, &carol] {
+        let m = at_seq(h, &id, 5).await;
+        assert_eq!(m["msg_id"], cmd["msg_id"]);
+        assert_eq!(m["kind"], "member_invited");
+    }
+
+    // The newcomer has read everything there is and sees nothing from before they joined.
+    let cv = carol.get(&format!("/v1/conversations/{id}")).await.unwrap();
+    assert_eq!(cv["unread"], 0, "{cv}");
+    assert_eq!(cv["last_read_seq"], cv["seq"], "{cv}");
+    let seen = history(&carol, &id, "?limit=100").await;
+    assert!(
+        seen.iter().all(|m| m["seq"].as_u64().unwrap() >= 5),
+        "carol reads only from her invitation on: {seen:?}"
+    );
+    assert_eq!(seen.len(), 1);
+    let before = history(&carol, &id, "?before=5").await;
+    assert!(before.is_empty(), "{before:?}");
+    let r = carol
+        .get(&format!("/v1/conversations/{id}/messages/range?from=1&to=4"))
+        .await;
+    if let Ok(page) = r {
+        assert_eq!(page["messages"], json!([]), "no message before joining");
+    }
+    let first = at_seq(&alice, &id, 2).await;
+    let code = code_of(
+        carol
+            .get(&format!("/v1/messages/{}/versions", first["msg_id"].as_str().unwrap()))
+            .await,
+    );
+    assert!(code == "not_found" || code == "not_member", "{code}");
+    let u = carol.get("/v1/unread").await.unwrap();
+    assert_eq!(u["total"], 0);
+
+    // Already a member: conflict, and nothing is appended.
+    assert_eq!(
+        code_of(
+            alice
+                .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [333]}))
+                .await
+        ),
+        "conflict"
+    );
+    assert_eq!(newest_seq(&alice, &id).await, 5);
+
+    // The newcomer takes part like anyone else.
+    let ack = carol
+        .post("/v1/messages", &text_to_conv("c1", &id, "hi all"))
+        .await
+        .unwrap();
+    assert_eq!(ack["seq"], 6);
+    let m = pushed(&mut a, &id, "text").await;
+    assert_eq!((m["seq"].as_u64(), m["sender"].as_u64()), (Some(6), Some(333)));
+    // A stranger cannot invite.
+    let dave = s.user(444).await;
+    let code = code_of(
+        dave.post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [444]}))
+            .await,
+    );
+    assert!(code == "not_member" || code == "not_found", "{code}");
+}
+
+#[tokio::test]
+async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
+    let s = spawn_server().await;
+    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    let bob = s.anon().with_bearer(tb.clone());
+    let carol = s.anon().with_bearer(tc.clone());
+    let id = group(&alice, &[222, 333]).await;
+    alice
+        .post("/v1/messages", &text_to_conv("a1", &id, "hello"))
+        .await
+        .unwrap();
+    let mut a = s.ws(&ta, "a").await;
+    let mut b = s.ws(&tb, "b").await;
+    let mut c = s.ws(&tc, "c").await;
+
+    delete(&alice, &format!("/v1/groups/{id}/members/333"))
+        .await
+        .unwrap();
+    let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "member_kicked").await;
+    let kick_seq = cmd["seq"].as_u64().unwrap();
+    assert_eq!(kick_seq, 3);
+    assert_eq!(cmd["sender"], 111);
+    assert_eq!(cmd["extra"]["from_user"], 111);
+    assert_eq!(ids(&cmd["extra"]["to_users"]), vec![333]);
+    assert_eq!(at_seq(&bob, &id, kick_seq).await["msg_id"], cmd["msg_id"]);
+    assert_eq!(
+        roles(&alice, &id).await,
+        vec![(111, "owner".into()), (222, "member".into())]
+    );
+
+    // Later messages reach the others, not the kicked member.
+    let ack = alice
+        .post("/v1/messages", &text_to_conv("a2", &id, "after the kick"))
+        .await
+        .unwrap();
+    assert_eq!(ack["seq"], 4);
+    assert_eq!(pushed(&mut b, &id, "text").await["seq"], 4);
+    no_push_after(&mut c, &id, kick_seq).await;
+
+    // Reading: up to the kick at most.
+    match carol
+        .get(&format!("/v1/conversations/{id}/messages?limit=100"))
+        .await
+    {
+        Ok(page) => {
+            let seqs: Vec<u64> = page["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["seq"].as_u64().unwrap())
+                .collect();
+            assert_eq!(seqs, vec![1, 2, 3], "history ends at the kick");
+        }
+        Err(e) => assert_eq!(e.code(), Some("not_member")),
+    }
+    match carol
+        .get(&format!("/v1/conversations/{id}/messages?after={kick_seq}"))
+        .await
+    {
+        Ok(page) => assert_eq!(page["messages"], json!([]), "nothing after the kick"),
+        Err(e) => assert_eq!(e.code(), Some("not_member")),
+    }
+    match carol
+        .get(&format!("/v1/conversations/{id}/messages/range?from=1&to=10"))
+        .await
+    {
+        Ok(page) => assert!(
+            page["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|m| m["seq"].as_u64().unwrap() <= kick_seq),
+            "{page}"
+        ),
+        Err(e) => assert_eq!(e.code(), Some("not_member")),
+    }
+    assert_eq!(
+        code_of(
+            carol
+                .post("/v1/messages", &text_to_conv("c1", &id, "let me back"))
+                .await
+        ),
+        "not_member"
+    );
+    let ack = request(
+        &mut c,
+        send_frame(text_to_conv("c2", &id, "over ws")),
+        1,
+    )
+    .await;
+    assert_eq!((ack["type"].as_str(), ack["code"].as_str()), (Some("error"), Some("not_member")));
+    assert_eq!(
+        code_of(carol.get(&format!("/v1/groups/{id}/members")).await),
+        "not_member"
+    );
+    // The kicked member cannot act on the group any more.
+    assert_eq!(
+        code_of(
+            carol
+                .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [333]}))
+                .await
+        ),
+        "not_member"
+    );
+    assert_eq!(newest_seq(&alice, &id).await, 4);
+}
+
+#[tokio::test]
+async fn plain_members_cannot_kick() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    let _carol = s.user(333).await;
+    let id = group(&alice, &[222, 333]).await;
+    assert_eq!(
+        code_of(delete(&bob, &format!("/v1/groups/{id}/members/333")).await),
+        "forbidden"
+    );
+    assert_eq!(
+        code_of(delete(&bob, &format!("/v1/groups/{id}/members/111")).await),
+        "forbidden"
+    );
+    assert_eq!(newest_seq(&alice, &id).await, 1, "nothing appended");
+    assert_eq!(roles(&alice, &id).await.len(), 3);
+    // A stranger neither.
+    let dave = s.user(444).await;
+    let code = code_of(delete(&dave, &format!("/v1/groups/{id}/members/333")).await);
+    assert!(code == "not_member" || code == "not_found", "{code}");
+}
+
+#[tokio::test]
+async fn members_quit_but_the_owner_cannot() {
+    let s = spawn_server().await;
+    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    let carol = s.anon().with_bearer(tc.clone());
+    let id = group(&alice, &[222, 333]).await;
+    let mut a = s.ws(&ta, "a").await;
+    let mut b = s.ws(&tb, "b").await;
+    let mut c = s.ws(&tc, "c").await;
+
+    delete(&carol, &format!("/v1/groups/{id}/members/333"))
+        .await
+        .unwrap();
+    let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "member_quit").await;
+    let quit_seq = cmd["seq"].as_u64().unwrap();
+    assert_eq!(quit_seq, 2);
+    assert_eq!(cmd["sender"], 333);
+    assert_eq!(cmd["extra"]["user"], 333);
+    assert_eq!(at_seq(&alice, &id, quit_seq).await["kind"], "member_quit");
+
+    alice
+        .post("/v1/messages", &text_to_conv("a1", &id, "bye carol"))
+        .await
+        .unwrap();
+    assert_eq!(pushed(&mut b, &id, "text").await["seq"], 3);
+    no_push_after(&mut c, &id, quit_seq).await;
+    match carol
+        .get(&format!("/v1/conversations/{id}/messages?after={quit_seq}"))
+        .await
+    {
+        Ok(page) => assert_eq!(page["messages"], json!([])),
+        Err(e) => assert_eq!(e.code(), Some("not_member")),
+    }
+    assert_eq!(
+        code_of(
+            carol
+                .post("/v1/messages", &text_to_conv("c1", &id, "still here?"))
+                .await
+        ),
+        "not_member"
+    );
+
+    // The owner may not quit (they dismiss instead): refused, nothing changes.
+    let r = delete(&alice, &format!("/v1/groups/{id}/members/111")).await;
+    let code = code_of(r);
+    assert!(code == "forbidden" || code == "conflict", "{code}");
+    assert_eq!(newest_seq(&alice, &id).await, 3);
+    assert_eq!(
+        roles(&alice, &id).await,
+        vec![(111, "owner".into()), (222, "member".into())]
+    );
+}
+
+#[tokio::test]
+async fn a_muted_member_cannot_send_until_unmuted() {
+    let s = spawn_server().await;
+    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    let bob = s.anon().with_bearer(tb.clone());
+    let carol = s.anon().with_bearer(tc.clone());
+    let id = group(&alice, &[222, 333]).await;
+    let mut a = s.ws(&ta, "a").await;
+    let mut b = s.ws(&tb, "b").await;
+    let mut c = s.ws(&tc, "c").await;
+
+    // Only the owner and admins mute.
+    assert_eq!(
+        code_of(
+            carol
+                .post(
+                    &format!("/v1/groups/{id}/mutes"),
+                    &json!({"user_id": 222, "duration_secs": 600})
+                )
+                .await
+        ),
+        "forbidden"
+    );
+    alice
+        .post(
+            &format!("/v1/groups/{id}/mutes"),
+            &json!({"user_id": 222, "duration_secs": 600}),
+        )
+        .await
+        .unwrap();
+    let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "member_muted").await;
+    assert_eq!(cmd["sender"], 111);
+    assert_eq!(cmd["extra"]["from_user"], 111);
+    assert_eq!(cmd["extra"]["to_user"], 222);
+    let until = cmd["extra"]["until"].as_i64().expect("until in ms");
+    let at = cmd["created_at"].as_i64().unwrap();
+    assert!(
+        (at + 595_000..=at + 605_000).contains(&until),
+        "until {until} is about 600 s after {at}"
+    );
+    assert_eq!(
+        at_seq(&carol, &id, cmd["seq"].as_u64().unwrap()).await["kind"],
+        "member_muted"
+    );
+    assert_eq!(member(&alice, &id, 222).await["muted_until"], until);
+
+    assert_eq!(
+        code_of(
+            bob.post("/v1/messages", &text_to_conv("b1", &id, "hello?"))
+                .await
+        ),
+        "muted"
+    );
+    let e = request(&mut b, send_frame(text_to_conv("b2", &id, "over ws")), 9).await;
+    assert_eq!((e["type"].as_str(), e["code"].as_str()), (Some("error"), Some("muted")));
+    let seq_muted = newest_seq(&alice, &id).await;
+    // Others still talk; muting in a group does not touch bob's single chats.
+    carol
+        .post("/v1/messages", &text_to_conv("c1", &id, "i can"))
+        .await
+        .unwrap();
+    assert_eq!(pushed(&mut a, &id, "text").await["content"], "i can");
+    bob.post("/v1/messages", &text_to_user("b3", 111, "psst"))
+        .await
+        .unwrap();
+
+    // Unmute: the command goes out and bob speaks again.
+    delete(&alice, &format!("/v1/groups/{id}/mutes/222"))
+        .await
+        .unwrap();
+    let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "member_unmuted").await;
+    assert_eq!(cmd["seq"].as_u64().unwrap(), seq_muted + 2);
+    assert_eq!(cmd["sender"], 111);
+    assert_eq!(cmd["extra"]["from_user"], 111);
+    assert_eq!(cmd["extra"]["to_user"], 222);
+    assert!(member(&alice, &id, 222).await["muted_until"].is_null());
+    let ack = bob
+        .post("/v1/messages", &text_to_conv("b4", &id, "back"))
+        .await
+        .unwrap();
+    assert_eq!(ack["seq"].as_u64().unwrap(), seq_muted + 3);
+    assert_eq!(pushed(&mut c, &id, "text").await["content"], "back");
+    assert_eq!(pushed(&mut a, &id, "text").await["content"], "back");
+}
+
+#[tokio::test]
+async fn a_mute_expires_by_itself() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    let id = group(&alice, &[222]).await;
+    alice
+        .post(
+            &format!("/v1/groups/{id}/mutes"),
+            &json!({"user_id": 222, "duration_secs": 1}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        code_of(
+            bob.post("/v1/messages", &text_to_conv("b1", &id, "now?"))
+                .await
+        ),
+        "muted"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let ack = bob
+        .post("/v1/messages", &text_to_conv("b2", &id, "now!"))
+        .await
+        .expect("the mute is over");
+    assert_eq!(ack["seq"], 3);
+    assert!(member(&alice, &id, 222).await["muted_until"].is_null());
+}
+
+#[tokio::test]
+async fn the_owner_appoints_admins_who_kick_members_but_not_admins() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    let carol = s.user(333).await;
+    let _dave = s.user(444).await;
+    let _erin = s.user(555).await;
+    let id = group(&alice, &[222, 333, 444, 555]).await;
+
+    // Only the owner appoints.
+    assert_eq!(
+        code_of(put(&bob, &format!("/v1/groups/{id}/admins/333")).await),
+        "forbidden"
+    );
+    put(&alice, &format!("/v1/groups/{id}/admins/222"))
+        .await
+        .unwrap();
+    put(&alice, &format!("/v1/groups/{id}/admins/333"))
+        .await
+        .unwrap();
+    assert_eq!(
+        roles(&carol, &id).await,
+        vec![
+            (111, "owner".into()),
+            (222, "admin".into()),
+            (333, "admin".into()),
+            (444, "member".into()),
+            (555, "member".into()),
+        ]
+    );
+    // An admin does not appoint or demote either.
+    assert_eq!(
+        code_of(put(&bob, &format!("/v1/groups/{id}/admins/444")).await),
+        "forbidden"
+    );
+    assert_eq!(
+        code_of(delete(&bob, &format!("/v1/groups/{id}/admins/333")).await),
+        "forbidden"
+    );
+
+    // An admin kicks a member ...
+    let before = newest_seq(&alice, &id).await;
+    delete(&bob, &format!("/v1/groups/{id}/members/444"))
+        .await
+        .expect("an admin kicks a member");
+    let kick = at_seq(&alice, &id, before + 1).await;
+    assert_eq!(kick["kind"], "member_kicked");
+    assert_eq!(kick["sender"], 222);
+    assert_eq!(kick["extra"]["from_user"], 222);
+    assert_eq!(ids(&kick["extra"]["to_users"]), vec![444]);
+    // ... but neither another admin nor the owner.
+    assert_eq!(
+        code_of(delete(&bob, &format!("/v1/groups/{id}/members/333")).await),
+        "forbidden"
+    );
+    assert_eq!(
+        code_of(delete(&bob, &format!("/v1/groups/{id}/members/111")).await),
+        "forbidden"
+    );
+    assert_eq!(newest_seq(&alice, &id).await, before + 1);
+
+    // Demoted, carol is a plain member again: the admin may kick her, and she may not kick.
+    delete(&alice, &format!("/v1/groups/{id}/admins/333"))
+        .await
+        .unwrap();
+    assert_eq!(member(&alice, &id, 333).await["role"], "member");
+    assert_eq!(
+        code_of(delete(&carol, &format!("/v1/groups/{id}/members/555")).await),
+        "forbidden"
+    );
+    delete(&bob, &format!("/v1/groups/{id}/members/333"))
+        .await
+        .expect("the demoted member can be kicked by an admin");
+    assert_eq!(
+        roles(&alice, &id).await,
+        vec![
+            (111, "owner".into()),
+            (222, "admin".into()),
+            (555, "member".into()),
+        ]
+    );
+    // The owner's role never changes.
+    let code = code_of(delete(&alice, &format!("/v1/groups/{id}/admins/111")).await);
+    assert!(code == "conflict" || code == "forbidden" || code == "invalid_argument", "{code}");
+    assert_eq!(member(&alice, &id, 111).await["role"], "owner");
+}
+
+#[tokio::test]
+async fn group_updates_carry_only_the_changed_fields() {
+    let s = spawn_server().await;
+    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    let bob = s.anon().with_bearer(tb.clone());
+    let carol = s.anon().with_bearer(tc.clone());
+    let id = group(&alice, &[222, 333]).await;
+    let mut b = s.ws(&tb, "b").await;
+    let mut c = s.ws(&tc, "c").await;
+
+    let conv = patch(&alice, &format!("/v1/groups/{id}"), &json!({"name": "renamed"}))
+        .await
+        .unwrap();
+    assert_eq!(conv["name"], "renamed");
+    let cmd = command_reaches_all(&mut [&mut b, &mut c], &id, "group_updated").await;
+    assert_eq!(cmd["sender"], 111);
+    assert_eq!(cmd["extra"], json!({"name": "renamed"}));
+    assert_eq!(cmd["seq"], 2);
+    assert_eq!(at_seq(&carol, &id, 2).await["extra"], json!({"name": "renamed"}));
+    assert_eq!(
+        carol.get(&format!("/v1/conversations/{id}")).await.unwrap()["name"],
+        "renamed"
+    );
+
+    patch(
+        &alice,
+        &format!("/v1/groups/{id}"),
+        &json!({"notice": "be nice", "avatar": "https://x/a.png"}),
+    )
+    .await
+    .unwrap();
+    let cmd = command_reaches_all(&mut [&mut b, &mut c], &id, "group_updated").await;
+    assert_eq!(
+        cmd["extra"],
+        json!({"notice": "be nice", "avatar": "https://x/a.png"})
+    );
+    assert_eq!(cmd["seq"], 3);
+
+    // A plain member may not; an admin may.
+    assert_eq!(
+        code_of(patch(&bob, &format!("/v1/groups/{id}"), &json!({"name": "mine"})).await),
+        "forbidden"
+    );
+    assert_eq!(newest_seq(&alice, &id).await, 3);
+    put(&alice, &format!("/v1/groups/{id}/admins/222"))
+        .await
+        .unwrap();
+    patch(&bob, &format!("/v1/groups/{id}"), &json!({"notice": "by bob"}))
+        .await
+        .expect("an admin updates");
+    let cmd = command_reaches_all(&mut [&mut c], &id, "group_updated").await;
+    assert_eq!(cmd["sender"], 222);
+    assert_eq!(cmd["extra"], json!({"notice": "by bob"}));
+    // A stranger neither reads nor updates.
+    let dave = s.user(444).await;
+    let code = code_of(patch(&dave, &format!("/v1/groups/{id}"), &json!({"name": "x"})).await);
+    assert!(code == "not_member" || code == "not_found", "{code}");
+}
+
+#[tokio::test]
+async fn a_dismissed_group_is_read_only() {
+    let s = spawn_server().await;
+    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    let bob = s.anon().with_bearer(tb.clone());
+    let id = group(&alice, &[222, 333]).await;
+    bob.post("/v1/messages", &text_to_conv("b1", &id, "hi"))
+        .await
+        .unwrap();
+    let mut a = s.ws(&ta, "a").await;
+    let mut b = s.ws(&tb, "b").await;
+    let mut c = s.ws(&tc, "c").await;
+
+    assert_eq!(
+        code_of(delete(&bob, &format!("/v1/groups/{id}")).await),
+        "forbidden"
+    );
+    delete(&alice, &format!("/v1/groups/{id}")).await.unwrap();
+    let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "group_dismissed").await;
+    assert_eq!(cmd["seq"], 3);
+    assert_eq!(cmd["sender"], 111);
+
+    for (h, cmid) in [(&bob, "b2"), (&alice, "a1")] {
+        assert_eq!(
+            code_of(
+                h.post("/v1/messages", &text_to_conv(cmid, &id, "anyone?"))
+                    .await
+            ),
+            "conflict"
+        );
+    }
+    let e = request(&mut c, send_frame(text_to_conv("c1", &id, "hello?")), 3).await;
+    assert_eq!((e["type"].as_str(), e["code"].as_str()), (Some("error"), Some("conflict")));
+    assert_eq!(
+        code_of(
+            bob.post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [444]}))
+                .await
+        ),
+        "conflict"
+    );
+    let _ = s.user(444).await;
+    assert_eq!(
+        code_of(
+            alice
+                .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [444]}))
+                .await
+        ),
+        "conflict"
+    );
+    // History stays readable and ends with the dismissal.
+    let msgs = history(&bob, &id, "").await;
+    let kinds: Vec<&str> = msgs.iter().map(|m| m["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, vec!["group_created", "text", "group_dismissed"]);
+    assert_eq!(newest_seq(&alice, &id).await, 3);
+    let code = code_of(delete(&alice, &format!("/v1/groups/{id}")).await);
+    assert_eq!(code, "conflict", "dismissing twice");
+}
+
+#[tokio::test]
+async fn members_are_listed_page_by_page() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let mut others = Vec::new();
+    for u in 201..=208u64 {
+        let _ = s.user(u).await;
+        others.push(u);
+    }
+    let id = group(&alice, &others).await;
+    let bob = s.user(204).await;
+    let mut seen: Vec<u64> = Vec::new();
+    let mut cursor: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/v1/groups/{id}/members?limit=3&cursor={c}"),
+            None => format!("/v1/groups/{id}/members?limit=3"),
+        };
+        let page = bob.get(&path).await.unwrap();
+        let members = page["members"].as_array().unwrap();
+        assert!(members.len() <= 3, "{page}");
+        for m in members {
+            assert!(m["joined_at"].as_i64().unwrap() > 1_700_000_000_000);
+            assert!(m["muted_until"].is_null());
+            let role = m["role"].as_str().unwrap();
+            let uid = m["user_id"].as_u64().unwrap();
+            assert_eq!(role, if uid == 111 { "owner" } else { "member" });
+            seen.push(uid);
+        }
+        pages += 1;
+        assert!(pages <= 4, "too many pages");
+        match page["next_cursor"].as_str() {
+            Some(c) => {
+                assert_eq!(members.len(), 3, "a full page before a cursor");
+                cursor = Some(c.to_owned());
+            }
+            None => {
+                assert!(page["next_cursor"].is_null());
+                break;
+            }
+        }
+    }
+    let mut expected = vec![111];
+    expected.extend(201..=208);
+    let mut sorted = seen.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), seen.len(), "no member twice: {seen:?}");
+    assert_eq!(sorted, expected);
+    assert_eq!(pages, 3);
+    let all = bob
+        .get(&format!("/v1/groups/{id}/members?limit=100"))
+        .await
+        .unwrap();
+    assert_eq!(all["members"].as_array().unwrap().len(), 9);
+    assert!(all["next_cursor"].is_null());
+    // Only members may list.
+    let stranger = s.user(999).await;
+    assert_eq!(
+        code_of(stranger.get(&format!("/v1/groups/{id}/members")).await),
+        "not_member"
+    );
+}
+
+#[tokio::test]
+async fn a_member_invited_again_reads_only_from_the_new_invitation() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    let id = group(&alice, &[222]).await;
+    delete(&alice, &format!("/v1/groups/{id}/members/222"))
+        .await
+        .unwrap();
+    alice
+        .post("/v1/messages", &text_to_conv("a1", &id, "while bob is away"))
+        .await
+        .unwrap();
+    alice
+        .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [222]}))
+        .await
+        .expect("a former member can be invited again");
+    let back = newest_seq(&alice, &id).await;
+    assert_eq!(back, 4);
+    let msgs = history(&bob, &id, "?limit=100").await;
+    let seqs: Vec<u64> = msgs.iter().map(|m| m["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, vec![4], "only from the new invitation on");
+    let cv = bob.get(&format!("/v1/conversations/{id}")).await.unwrap();
+    assert_eq!(cv["unread"], 0);
+    assert_eq!(cv["last_read_seq"], cv["seq"]);
+    bob.post("/v1/messages", &text_to_conv("b1", &id, "back"))
+        .await
+        .expect("a member again");
+}
