@@ -111,9 +111,15 @@ impl Changes {
     }
 }
 
-/// A recipient of a pushed message: who, and the message's place in their inbox (absent for
-/// read fan-out).
-pub type Recipient = (UserId, Option<u64>);
+/// A recipient of a pushed message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recipient {
+    pub user: UserId,
+    /// The message's place in their inbox; none for read fan-out.
+    pub user_seq: Option<u64>,
+    /// They muted the conversation (no offline notification).
+    pub muted: bool,
+}
 
 /// What is announced after commit.
 #[derive(Debug, Clone)]

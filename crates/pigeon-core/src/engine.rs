@@ -313,7 +313,6 @@ impl Engine {
                     actor,
                     MessageKind::MemberMuted,
                     extra,
-                    &[],
                     now,
                     ch,
                     ev,
@@ -338,7 +337,6 @@ impl Engine {
                     actor,
                     MessageKind::MemberUnmuted,
                     extra,
-                    &[],
                     now,
                     ch,
                     ev,
@@ -383,7 +381,6 @@ impl Engine {
                     actor,
                     MessageKind::GroupUpdated,
                     extra,
-                    &[],
                     now,
                     ch,
                     ev,
@@ -410,7 +407,6 @@ impl Engine {
                     actor,
                     MessageKind::GroupDismissed,
                     json!({}),
-                    &[],
                     now,
                     ch,
                     ev,
@@ -570,7 +566,6 @@ impl Engine {
             s.sender,
             Some(s.client_msg_id.clone()),
             content,
-            &[],
             now,
             ch,
             ev,
@@ -675,7 +670,6 @@ impl Engine {
             owner,
             MessageKind::GroupCreated,
             extra,
-            &[],
             now,
             ch,
             ev,
@@ -752,7 +746,6 @@ impl Engine {
             actor,
             MessageKind::MemberInvited,
             extra,
-            &[],
             now,
             ch,
             ev,
@@ -800,7 +793,7 @@ impl Engine {
             )
         };
         // The removal is the last message the removed member receives.
-        let msg = self.append(conv_id, actor, kind, extra, &[], now, ch, ev);
+        let msg = self.append(conv_id, actor, kind, extra, now, ch, ev);
         self.write_member(conv_id, user, Some(msg.seq), ch);
         self.conv_mut(conv_id).members.remove(&user);
         self.touched.insert(conv_id.clone());
@@ -853,7 +846,6 @@ impl Engine {
             actor,
             MessageKind::Recall,
             extra,
-            &[],
             now,
             ch,
             ev,
@@ -918,7 +910,7 @@ impl Engine {
         });
         self.messages.insert(msg_id, updated.clone());
         let extra = json!({"msg_id": msg_id, "version": updated.version});
-        self.append(&conv_id, actor, MessageKind::Edit, extra, &[], now, ch, ev);
+        self.append(&conv_id, actor, MessageKind::Edit, extra, now, ch, ev);
         Ok(Reply::Message(Box::new(updated)))
     }
 
@@ -1029,7 +1021,6 @@ impl Engine {
         sender: UserId,
         kind: MessageKind,
         extra: serde_json::Value,
-        also_to: &[UserId],
         now: i64,
         ch: &mut Changes,
         ev: &mut Vec<Event>,
@@ -1041,7 +1032,7 @@ impl Engine {
             reply_to: None,
             mentions: Vec::new(),
         };
-        self.append_full(conv_id, sender, None, content, also_to, now, ch, ev)
+        self.append_full(conv_id, sender, None, content, now, ch, ev)
     }
 
     /// Appends a message at the next seq, copies it into the inboxes of a write fan-out
@@ -1053,7 +1044,6 @@ impl Engine {
         sender: UserId,
         client_msg_id: Option<ClientMsgId>,
         c: Content,
-        also_to: &[UserId],
         now: i64,
         ch: &mut Changes,
         ev: &mut Vec<Event>,
@@ -1091,24 +1081,18 @@ impl Engine {
         if fanout == Fanout::Read && conv.read_fanout_since.is_none() {
             conv.read_fanout_since = Some(seq);
         }
-        let mut recipients: Vec<Recipient> = Vec::with_capacity(conv.members.len() + also_to.len());
-        let targets = conv.members.keys().copied().chain(also_to.iter().copied());
-        match fanout {
-            Fanout::Write => {
-                for user in targets {
-                    let head = self.inbox_heads.entry(user).or_insert(0);
+        let mut recipients: Vec<Recipient> = Vec::with_capacity(conv.members.len());
+        for (user, member) in &conv.members {
+            let user_seq = match fanout {
+                Fanout::Write => {
+                    let head = self.inbox_heads.entry(*user).or_insert(0);
                     *head += 1;
-                    ch.inbox.push(InboxRow {
-                        user,
-                        user_seq: *head,
-                        msg_id,
-                        conversation: conv_id.clone(),
-                        seq,
-                    });
-                    recipients.push((user, Some(*head)));
+                    ch.inbox.push(InboxRow { user: *user, user_seq: *head, msg_id, conversation: conv_id.clone(), seq });
+                    Some(*head)
                 }
-            }
-            Fanout::Read => recipients.extend(targets.map(|u| (u, None))),
+                Fanout::Read => None,
+            };
+            recipients.push(Recipient { user: *user, user_seq, muted: member.muted });
         }
         self.touched.insert(conv_id.clone());
         ch.messages.push((*message).clone());

@@ -59,6 +59,12 @@ pub struct ServeArgs {
     /// Longest token lifetime the admin API mints, in seconds [default: 2592000]
     #[arg(long, env = "PIGEON_MAX_TOKEN_TTL_SECS")]
     pub max_token_ttl_secs: Option<u64>,
+    /// URL that gets a JSON POST for messages reaching users with no connected device
+    #[arg(long, env = "PIGEON_OFFLINE_WEBHOOK_URL")]
+    pub offline_webhook_url: Option<String>,
+    /// Timeout of one offline webhook call [default: 2000]
+    #[arg(long, env = "PIGEON_OFFLINE_WEBHOOK_TIMEOUT_MS")]
+    pub offline_webhook_timeout_ms: Option<u64>,
 }
 
 /// The file layer: the same keys, all optional.
@@ -88,6 +94,10 @@ struct FileConfig {
     max_connections: Option<usize>,
     #[serde(alias = "max-token-ttl-secs")]
     max_token_ttl_secs: Option<u64>,
+    #[serde(alias = "offline-webhook-url")]
+    offline_webhook_url: Option<String>,
+    #[serde(alias = "offline-webhook-timeout-ms")]
+    offline_webhook_timeout_ms: Option<u64>,
 }
 
 /// The settings in force.
@@ -105,6 +115,8 @@ pub struct Config {
     pub durability: DurabilityMode,
     pub max_connections: usize,
     pub max_token_ttl_secs: u64,
+    pub offline_webhook_url: Option<String>,
+    pub offline_webhook_timeout_ms: u64,
 }
 
 impl Default for Config {
@@ -122,6 +134,8 @@ impl Default for Config {
             durability: DurabilityMode::Fsync,
             max_connections: 100_000,
             max_token_ttl_secs: 30 * 86_400,
+            offline_webhook_url: None,
+            offline_webhook_timeout_ms: 2_000,
         }
     }
 }
@@ -201,6 +215,11 @@ impl Config {
                 .max_token_ttl_secs
                 .or(file.max_token_ttl_secs)
                 .unwrap_or(d.max_token_ttl_secs),
+            offline_webhook_url: args.offline_webhook_url.clone().or(file.offline_webhook_url),
+            offline_webhook_timeout_ms: args
+                .offline_webhook_timeout_ms
+                .or(file.offline_webhook_timeout_ms)
+                .unwrap_or(d.offline_webhook_timeout_ms),
         };
         cfg.check()?;
         Ok(cfg)
@@ -221,6 +240,11 @@ impl Config {
         }
         if self.heartbeat_ms < 100 {
             return invalid("heartbeat-ms must be at least 100");
+        }
+        if let Some(url) = &self.offline_webhook_url {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return invalid("offline-webhook-url must be an http:// or https:// URL");
+            }
         }
         if self.max_connections == 0 {
             return invalid("max-connections must be at least 1");

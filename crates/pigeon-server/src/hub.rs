@@ -3,6 +3,7 @@
 //! full is told to close (its client will reconnect and pull), so a slow reader never makes
 //! the server hold more memory.
 
+use crate::webhook::{Notice, OfflineHook};
 use pigeon_core::changes::Event;
 use pigeon_proto::frames::{ServerFrame, msg_frame};
 use pigeon_proto::{ConversationId, DeviceId, UserId};
@@ -90,6 +91,7 @@ pub struct Hub {
     waiters: Mutex<HashMap<UserId, Arc<Notify>>>,
     /// Long polls in progress; when none, publishing skips the waiters lock.
     waiting: AtomicUsize,
+    offline: Option<OfflineHook>,
 }
 
 impl Default for Hub {
@@ -100,6 +102,7 @@ impl Default for Hub {
             connections: AtomicUsize::new(0),
             waiters: Mutex::new(HashMap::new()),
             waiting: AtomicUsize::new(0),
+            offline: None,
         }
     }
 }
@@ -126,6 +129,11 @@ impl Drop for Registration {
 }
 
 impl Hub {
+    /// A hub that notifies `offline` of messages reaching users with no connected device.
+    pub fn with_offline_hook(offline: Option<OfflineHook>) -> Hub {
+        Hub { offline, ..Hub::default() }
+    }
+
     fn shard(&self, user: UserId) -> &RwLock<HashMap<UserId, Vec<Conn>>> {
         &self.shards[(user.get() as usize) % SHARDS]
     }
@@ -197,20 +205,25 @@ impl Hub {
                 } => {
                     let json = serde_json::to_string(&*message).expect("messages serialise");
                     let conv = ConversationId::parse(&message.conversation_id).ok();
-                    for (user, user_seq) in recipients {
-                        self.wake(user);
-                        let chain = match (user_seq, &conv) {
+                    let notify_offline = self.offline.as_ref().filter(|_| message.kind.is_user_content());
+                    for r in recipients {
+                        self.wake(r.user);
+                        let chain = match (r.user_seq, &conv) {
                             (Some(us), _) => PushChain::Inbox(us),
                             (None, Some(c)) => PushChain::Conversation(c.clone(), message.seq),
                             (None, None) => continue,
                         };
-                        let frame = msg_frame(&json, user_seq);
-                        self.each(user, |c| {
-                            c.outbox.send(Outgoing::Push {
-                                chain: chain.clone(),
-                                frame: frame.clone(),
-                            })
+                        let frame = msg_frame(&json, r.user_seq);
+                        let mut online = false;
+                        self.each(r.user, |c| {
+                            online = true;
+                            c.outbox.send(Outgoing::Push { chain: chain.clone(), frame: frame.clone() })
                         });
+                        if let Some(hook) = notify_offline {
+                            if !online && !r.muted && r.user != message.sender {
+                                hook.notify(Notice::of(&message, r.user));
+                            }
+                        }
                     }
                     metrics::counter!("pigeon_messages_pushed_total").increment(1);
                 }

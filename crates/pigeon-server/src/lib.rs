@@ -11,6 +11,7 @@ pub mod hub;
 pub mod openapi;
 pub mod pipeline;
 pub mod server;
+pub mod webhook;
 pub mod ws;
 
 pub use config::{Config, ServeArgs};

@@ -8,6 +8,7 @@ mod delivery;
 mod errors;
 mod groups;
 mod history;
+mod offline_hook;
 mod message_ops;
 mod reads;
 
