@@ -665,15 +665,7 @@ impl Engine {
             self.write_member(&id, *u, None, ch);
         }
         let extra = json!({ "members": all });
-        self.append(
-            &id,
-            owner,
-            MessageKind::GroupCreated,
-            extra,
-            now,
-            ch,
-            ev,
-        );
+        self.append(&id, owner, MessageKind::GroupCreated, extra, now, ch, ev);
         Ok(Reply::Conversation(id))
     }
 
@@ -841,15 +833,7 @@ impl Engine {
         });
         self.messages.insert(msg_id, updated.clone());
         let extra = json!({"msg_id": msg_id});
-        self.append(
-            &conv_id,
-            actor,
-            MessageKind::Recall,
-            extra,
-            now,
-            ch,
-            ev,
-        );
+        self.append(&conv_id, actor, MessageKind::Recall, extra, now, ch, ev);
         Ok(Reply::Message(Box::new(updated.redacted(false))))
     }
 
@@ -1087,12 +1071,22 @@ impl Engine {
                 Fanout::Write => {
                     let head = self.inbox_heads.entry(*user).or_insert(0);
                     *head += 1;
-                    ch.inbox.push(InboxRow { user: *user, user_seq: *head, msg_id, conversation: conv_id.clone(), seq });
+                    ch.inbox.push(InboxRow {
+                        user: *user,
+                        user_seq: *head,
+                        msg_id,
+                        conversation: conv_id.clone(),
+                        seq,
+                    });
                     Some(*head)
                 }
                 Fanout::Read => None,
             };
-            recipients.push(Recipient { user: *user, user_seq, muted: member.muted });
+            recipients.push(Recipient {
+                user: *user,
+                user_seq,
+                muted: member.muted,
+            });
         }
         self.touched.insert(conv_id.clone());
         ch.messages.push((*message).clone());

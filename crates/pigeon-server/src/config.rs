@@ -215,7 +215,10 @@ impl Config {
                 .max_token_ttl_secs
                 .or(file.max_token_ttl_secs)
                 .unwrap_or(d.max_token_ttl_secs),
-            offline_webhook_url: args.offline_webhook_url.clone().or(file.offline_webhook_url),
+            offline_webhook_url: args
+                .offline_webhook_url
+                .clone()
+                .or(file.offline_webhook_url),
             offline_webhook_timeout_ms: args
                 .offline_webhook_timeout_ms
                 .or(file.offline_webhook_timeout_ms)

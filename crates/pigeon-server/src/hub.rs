@@ -131,7 +131,10 @@ impl Drop for Registration {
 impl Hub {
     /// A hub that notifies `offline` of messages reaching users with no connected device.
     pub fn with_offline_hook(offline: Option<OfflineHook>) -> Hub {
-        Hub { offline, ..Hub::default() }
+        Hub {
+            offline,
+            ..Hub::default()
+        }
     }
 
     fn shard(&self, user: UserId) -> &RwLock<HashMap<UserId, Vec<Conn>>> {
@@ -205,7 +208,10 @@ impl Hub {
                 } => {
                     let json = serde_json::to_string(&*message).expect("messages serialise");
                     let conv = ConversationId::parse(&message.conversation_id).ok();
-                    let notify_offline = self.offline.as_ref().filter(|_| message.kind.is_user_content());
+                    let notify_offline = self
+                        .offline
+                        .as_ref()
+                        .filter(|_| message.kind.is_user_content());
                     for r in recipients {
                         self.wake(r.user);
                         let chain = match (r.user_seq, &conv) {
@@ -217,7 +223,10 @@ impl Hub {
                         let mut online = false;
                         self.each(r.user, |c| {
                             online = true;
-                            c.outbox.send(Outgoing::Push { chain: chain.clone(), frame: frame.clone() })
+                            c.outbox.send(Outgoing::Push {
+                                chain: chain.clone(),
+                                frame: frame.clone(),
+                            })
                         });
                         if let Some(hook) = notify_offline {
                             if !online && !r.muted && r.user != message.sender {

@@ -93,7 +93,11 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     };
     let engine = Engine::new(engine_cfg, store.max_msg_id().await?);
     let offline = cfg.offline_webhook_url.clone().map(|url| {
-        crate::webhook::OfflineHook::start(url, std::time::Duration::from_millis(cfg.offline_webhook_timeout_ms), store.clone())
+        crate::webhook::OfflineHook::start(
+            url,
+            std::time::Duration::from_millis(cfg.offline_webhook_timeout_ms),
+            store.clone(),
+        )
     });
     let hub = Arc::new(Hub::with_offline_hook(offline));
     let (pipeline, _pipeline_task) = Pipeline::start(store.clone(), engine, hub.clone());

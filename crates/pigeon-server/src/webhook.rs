@@ -77,7 +77,12 @@ impl OfflineHook {
     }
 }
 
-async fn post_loop(url: String, timeout: Duration, store: Arc<dyn Store>, mut rx: mpsc::Receiver<Notice>) {
+async fn post_loop(
+    url: String,
+    timeout: Duration,
+    store: Arc<dyn Store>,
+    mut rx: mpsc::Receiver<Notice>,
+) {
     let client = match reqwest::Client::builder().timeout(timeout).build() {
         Ok(c) => c,
         Err(e) => {
@@ -93,7 +98,11 @@ async fn post_loop(url: String, timeout: Duration, store: Arc<dyn Store>, mut rx
                 Some(t) => *t,
                 None => {
                     let t = match store.unread(n.recipient).await {
-                        Ok(rows) => rows.iter().filter(|(_, _, muted)| !muted).map(|(_, c, _)| c).sum(),
+                        Ok(rows) => rows
+                            .iter()
+                            .filter(|(_, _, muted)| !muted)
+                            .map(|(_, c, _)| c)
+                            .sum(),
                         Err(e) => {
                             tracing::warn!(error = %e, "unread total for the offline hook failed");
                             0
@@ -113,7 +122,9 @@ async fn post_loop(url: String, timeout: Duration, store: Arc<dyn Store>, mut rx
                     delivered = true;
                     break;
                 }
-                Ok(resp) => tracing::warn!(status = %resp.status(), attempt, "offline hook refused a batch"),
+                Ok(resp) => {
+                    tracing::warn!(status = %resp.status(), attempt, "offline hook refused a batch")
+                }
                 Err(e) => tracing::warn!(error = %e, attempt, "offline hook call failed"),
             }
             tokio::time::sleep(Duration::from_millis(200 * 4u64.pow(attempt))).await;

@@ -5,7 +5,10 @@ use crate::*;
 use serde_json::json;
 
 async fn group_of(s: &TestServer, owner: &Http, members: &[u64]) -> String {
-    let g = owner.post("/v1/groups", &json!({"name": "g", "members": members})).await.unwrap();
+    let g = owner
+        .post("/v1/groups", &json!({"name": "g", "members": members}))
+        .await
+        .unwrap();
     g["conversation_id"].as_str().unwrap().to_owned()
 }
 
@@ -17,34 +20,72 @@ async fn large_groups_use_read_fanout_followed_by_conversation_seq() {
     let _ = s.user(3).await;
     let g = group_of(&s, &owner, &[2, 3]).await;
     let mut ws = s.ws(&t2, "d2").await;
-    assert_eq!(ws.hello["user_seq"], 0, "nothing of a read fan-out group enters the inbox");
-    owner.post("/v1/messages", &text_to_conv("r1", &g, "hello")).await.unwrap();
+    assert_eq!(
+        ws.hello["user_seq"], 0,
+        "nothing of a read fan-out group enters the inbox"
+    );
+    owner
+        .post("/v1/messages", &text_to_conv("r1", &g, "hello"))
+        .await
+        .unwrap();
     let push = next_msg(&mut ws).await;
     assert_eq!(push["message"]["seq"], 2);
-    assert!(push.get("user_seq").is_none(), "user_seq key is left out: {push}");
+    assert!(
+        push.get("user_seq").is_none(),
+        "user_seq key is left out: {push}"
+    );
     let conv = owner.get(&format!("/v1/conversations/{g}")).await.unwrap();
     assert_eq!(conv["fanout"], "read");
     // Level one: the group moved past the device's position.
     let r = request(&mut ws, json!({"type": "sync"}), 1).await;
     assert_eq!(r["type"], "sync_result");
     assert_eq!(r["user_seq"], 0);
-    let entry = r["conversations"].as_array().unwrap().iter().find(|c| c["conversation_id"] == g.as_str()).expect("group listed").clone();
+    let entry = r["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["conversation_id"] == g.as_str())
+        .expect("group listed")
+        .clone();
     assert_eq!(entry["seq"], 2);
     assert_eq!(entry["unread"], 1);
     assert_eq!(entry["last_message"]["content"], "hello");
     // Level two, then acknowledge by conversation; a new connection of the device resumes there.
     let from = entry["cursor"].as_u64().unwrap() + 1;
-    let r = request(&mut ws, json!({"type": "pull", "chain": "conversation", "conversation_id": g, "from": from}), 2).await;
-    let got: Vec<u64> = r["items"].as_array().unwrap().iter().map(|i| i["seq"].as_u64().unwrap()).collect();
+    let r = request(
+        &mut ws,
+        json!({"type": "pull", "chain": "conversation", "conversation_id": g, "from": from}),
+        2,
+    )
+    .await;
+    let got: Vec<u64> = r["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["seq"].as_u64().unwrap())
+        .collect();
     assert_eq!(got.last(), Some(&2));
-    ws.send(&json!({"type": "ack", "conversation_id": g, "seq": 2})).await.unwrap();
+    ws.send(&json!({"type": "ack", "conversation_id": g, "seq": 2}))
+        .await
+        .unwrap();
     ws.close().await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut ws = s.ws(&t2, "d2").await;
     let r = request(&mut ws, json!({"type": "sync"}), 3).await;
-    assert!(r["conversations"].as_array().unwrap().is_empty(), "nothing new after the ack: {r}");
-    let r = request(&mut ws, json!({"type": "sync", "conversations": {g.clone(): 0}}), 4).await;
-    assert_eq!(r["conversations"][0]["cursor"], 0, "a given position is used as given");
+    assert!(
+        r["conversations"].as_array().unwrap().is_empty(),
+        "nothing new after the ack: {r}"
+    );
+    let r = request(
+        &mut ws,
+        json!({"type": "sync", "conversations": {g.clone(): 0}}),
+        4,
+    )
+    .await;
+    assert_eq!(
+        r["conversations"][0]["cursor"], 0,
+        "a given position is used as given"
+    );
 }
 
 /// A member catching up as the SDK does: read fan-out groups first (sync, then pull from the
@@ -55,12 +96,22 @@ async fn everything_seen_by(ws: &mut WsConn, g: &str) -> Vec<u64> {
     let r = request(ws, json!({"type": "sync"}), 101).await;
     for c in r["conversations"].as_array().unwrap() {
         let from = c["cursor"].as_u64().unwrap() + 1;
-        let p = request(ws, json!({"type": "pull", "chain": "conversation", "conversation_id": g, "from": from}), 102).await;
+        let p = request(
+            ws,
+            json!({"type": "pull", "chain": "conversation", "conversation_id": g, "from": from}),
+            102,
+        )
+        .await;
         for it in p["items"].as_array().unwrap() {
             shown.push(it["seq"].as_u64().unwrap());
         }
     }
-    let r = request(ws, json!({"type": "pull", "chain": "user", "from": 1, "limit": 200}), 100).await;
+    let r = request(
+        ws,
+        json!({"type": "pull", "chain": "user", "from": 1, "limit": 200}),
+        100,
+    )
+    .await;
     let mut inbox = Vec::new();
     for it in r["items"].as_array().unwrap() {
         if it["message"]["conversation_id"] == g {
@@ -69,7 +120,11 @@ async fn everything_seen_by(ws: &mut WsConn, g: &str) -> Vec<u64> {
     }
     // Inbox entries older than the first read fan-out position come first on screen.
     let first_pulled = shown.first().copied().unwrap_or(u64::MAX);
-    let mut screen: Vec<u64> = inbox.iter().copied().filter(|s| *s < first_pulled).collect();
+    let mut screen: Vec<u64> = inbox
+        .iter()
+        .copied()
+        .filter(|s| *s < first_pulled)
+        .collect();
     screen.extend(shown.iter().copied());
     let high = screen.iter().copied().max().unwrap_or(0);
     screen.extend(inbox.iter().copied().filter(|s| *s > high));
@@ -87,26 +142,66 @@ async fn crossing_the_fanout_threshold_both_ways_loses_and_repeats_nothing() {
     let g = group_of(&s, &owner, &[2, 3]).await;
     let mut live = s.ws(&t2, "live").await;
     let mut pushes = Vec::new();
-    owner.post("/v1/messages", &text_to_conv("w1", &g, "write 1")).await.unwrap();
-    owner.post(&format!("/v1/groups/{g}/members"), &json!({"user_ids": [4]})).await.unwrap();
-    owner.post("/v1/messages", &text_to_conv("r1", &g, "read 1")).await.unwrap();
-    owner.post("/v1/messages", &text_to_conv("r2", &g, "read 2")).await.unwrap();
-    let kick = reqwest::Client::new().delete(format!("{}/v1/groups/{g}/members/4", s.base)).bearer_auth(s.token(1).await).send().await.unwrap();
+    owner
+        .post("/v1/messages", &text_to_conv("w1", &g, "write 1"))
+        .await
+        .unwrap();
+    owner
+        .post(
+            &format!("/v1/groups/{g}/members"),
+            &json!({"user_ids": [4]}),
+        )
+        .await
+        .unwrap();
+    owner
+        .post("/v1/messages", &text_to_conv("r1", &g, "read 1"))
+        .await
+        .unwrap();
+    owner
+        .post("/v1/messages", &text_to_conv("r2", &g, "read 2"))
+        .await
+        .unwrap();
+    let kick = reqwest::Client::new()
+        .delete(format!("{}/v1/groups/{g}/members/4", s.base))
+        .bearer_auth(s.token(1).await)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(kick.status(), 200);
-    owner.post("/v1/messages", &text_to_conv("w2", &g, "write 2")).await.unwrap();
+    owner
+        .post("/v1/messages", &text_to_conv("w2", &g, "write 2"))
+        .await
+        .unwrap();
     let head = owner.get(&format!("/v1/conversations/{g}")).await.unwrap();
     assert_eq!(head["fanout"], "write", "back under the threshold");
     let head = head["seq"].as_u64().unwrap();
     while pushes.len() < (head - 1) as usize {
         let p = next_msg(&mut live).await;
-        pushes.push((p["message"]["seq"].as_u64().unwrap(), p.get("user_seq").is_some()));
+        pushes.push((
+            p["message"]["seq"].as_u64().unwrap(),
+            p.get("user_seq").is_some(),
+        ));
     }
     // seq 1 group_created, 2 write 1 (inbox), 3 invite (read: 4 members), 4-5 read, 6 kick (read), 7 write.
-    assert_eq!(pushes, vec![(2, true), (3, false), (4, false), (5, false), (6, false), (7, true)]);
+    assert_eq!(
+        pushes,
+        vec![
+            (2, true),
+            (3, false),
+            (4, false),
+            (5, false),
+            (6, false),
+            (7, true)
+        ]
+    );
     // A device that saw nothing live catches up with sync + pull: every seq exactly once.
     let mut fresh = s.ws(&t2, "fresh").await;
     let seen = everything_seen_by(&mut fresh, &g).await;
-    assert_eq!(seen, (1..=head).collect::<Vec<u64>>(), "every seq once, in order");
+    assert_eq!(
+        seen,
+        (1..=head).collect::<Vec<u64>>(),
+        "every seq once, in order"
+    );
 }
 
 #[tokio::test]
@@ -115,18 +210,38 @@ async fn unacknowledged_pushes_are_resent_and_acknowledged_ones_are_not() {
     let alice = s.user(1).await;
     let tb = s.token(2).await;
     let mut b = s.ws(&tb, "b").await;
-    alice.post("/v1/messages", &text_to_user("p1", 2, "one")).await.unwrap();
+    alice
+        .post("/v1/messages", &text_to_user("p1", 2, "one"))
+        .await
+        .unwrap();
     let first = next_msg(&mut b).await;
     let again = next_msg(&mut b).await;
     assert_eq!(again, first, "the same frame with the same user_seq");
-    b.send(&json!({"type": "ack", "user_seq": 1})).await.unwrap();
+    b.send(&json!({"type": "ack", "user_seq": 1}))
+        .await
+        .unwrap();
     // Drain a resend that may have been in flight, then nothing more comes.
-    let _ = b.recv_until(Duration::from_millis(100), |v| v["type"] == "msg").await;
-    assert!(b.recv_until(Duration::from_millis(600), |v| v["type"] == "msg").await.unwrap().is_none());
+    let _ = b
+        .recv_until(Duration::from_millis(100), |v| v["type"] == "msg")
+        .await;
+    assert!(
+        b.recv_until(Duration::from_millis(600), |v| v["type"] == "msg")
+            .await
+            .unwrap()
+            .is_none()
+    );
     // Never acknowledged: resent a bounded number of times, then left to pull.
-    alice.post("/v1/messages", &text_to_user("p2", 2, "two")).await.unwrap();
+    alice
+        .post("/v1/messages", &text_to_user("p2", 2, "two"))
+        .await
+        .unwrap();
     let mut sends = 0;
-    while b.recv_until(Duration::from_millis(700), |v| v["type"] == "msg").await.unwrap().is_some() {
+    while b
+        .recv_until(Duration::from_millis(700), |v| v["type"] == "msg")
+        .await
+        .unwrap()
+        .is_some()
+    {
         sends += 1;
         assert!(sends < 10, "resends are bounded");
     }
@@ -139,20 +254,27 @@ async fn acks_move_the_device_cursor_forward_only_even_when_they_race() {
     let alice = s.user(1).await;
     let tb = s.token(2).await;
     for i in 0..10 {
-        alice.post("/v1/messages", &text_to_user(&format!("c{i}"), 2, "x")).await.unwrap();
+        alice
+            .post("/v1/messages", &text_to_user(&format!("c{i}"), 2, "x"))
+            .await
+            .unwrap();
     }
     let mut c1 = s.ws(&tb, "phone").await;
     let mut c2 = s.ws(&tb, "phone").await;
     let (r1, r2) = tokio::join!(
         async {
             for n in [3u64, 9, 4] {
-                c1.send(&json!({"type": "ack", "user_seq": n})).await.unwrap();
+                c1.send(&json!({"type": "ack", "user_seq": n}))
+                    .await
+                    .unwrap();
             }
             c1
         },
         async {
             for n in [7u64, 2, 8] {
-                c2.send(&json!({"type": "ack", "user_seq": n})).await.unwrap();
+                c2.send(&json!({"type": "ack", "user_seq": n}))
+                    .await
+                    .unwrap();
             }
             c2
         }
@@ -166,7 +288,12 @@ async fn acks_move_the_device_cursor_forward_only_even_when_they_race() {
     assert_eq!(r["user_seq"], 10);
     // Pull without from starts after the cursor.
     let r = request(&mut ws, json!({"type": "pull", "chain": "user"}), 2).await;
-    let got: Vec<u64> = r["items"].as_array().unwrap().iter().map(|i| i["seq"].as_u64().unwrap()).collect();
+    let got: Vec<u64> = r["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["seq"].as_u64().unwrap())
+        .collect();
     assert_eq!(got, vec![10]);
     // Another device has its own cursor.
     let mut other = s.ws(&tb, "tablet").await;
@@ -184,11 +311,20 @@ async fn a_device_offline_for_thousands_of_messages_catches_up_in_pages() {
     let mut a = s.ws(&ta, "a").await;
     let n = 1500u64;
     for i in 0..n {
-        a.send(&send_frame(text_to_user(&format!("o{i:05}"), 2, &i.to_string()))).await.unwrap();
+        a.send(&send_frame(text_to_user(
+            &format!("o{i:05}"),
+            2,
+            &i.to_string(),
+        )))
+        .await
+        .unwrap();
     }
     let mut acks = 0;
     while acks < n {
-        a.recv_until(WAIT, |v| v["type"] == "send_ack").await.unwrap().expect("ack");
+        a.recv_until(WAIT, |v| v["type"] == "send_ack")
+            .await
+            .unwrap()
+            .expect("ack");
         acks += 1;
     }
     let mut b = s.ws(&tb, "b").await;
@@ -199,14 +335,21 @@ async fn a_device_offline_for_thousands_of_messages_catches_up_in_pages() {
     let mut pages = 0;
     loop {
         pages += 1;
-        let p = request(&mut b, json!({"type": "pull", "chain": "user", "from": next, "limit": 200}), 10 + pages).await;
+        let p = request(
+            &mut b,
+            json!({"type": "pull", "chain": "user", "from": next, "limit": 200}),
+            10 + pages,
+        )
+        .await;
         let items = p["items"].as_array().unwrap();
         for it in items {
             assert_eq!(it["seq"].as_u64().unwrap(), next);
             assert_eq!(it["message"]["content"], (next - 1).to_string());
             next += 1;
         }
-        b.send(&json!({"type": "ack", "user_seq": next - 1})).await.unwrap();
+        b.send(&json!({"type": "ack", "user_seq": next - 1}))
+            .await
+            .unwrap();
         if p["has_more"] == false {
             break;
         }
@@ -229,14 +372,27 @@ async fn long_poll_answers_as_soon_as_something_arrives() {
         (r, started.elapsed())
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    alice.post("/v1/messages", &text_to_user("lp", 2, "wake up")).await.unwrap();
-    let (r, waited) = tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("answered before wait_ms").unwrap();
+    alice
+        .post("/v1/messages", &text_to_user("lp", 2, "wake up"))
+        .await
+        .unwrap();
+    let (r, waited) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("answered before wait_ms")
+        .unwrap();
     assert!(waited < Duration::from_secs(15));
     assert_eq!(r["user_seq"], 1);
     assert_eq!(r["items"][0]["seq"], 1);
     assert_eq!(r["items"][0]["message"]["content"], "wake up");
     let bob = s.user(2).await;
     let r = bob.get("/v1/sync?user_seq=1&wait_ms=200").await.unwrap();
-    assert_eq!(r["items"], json!([]), "nothing new: answered empty after the wait");
-    assert_eq!(code_of(bob.get("/v1/sync?wait_ms=30001").await), "invalid_argument");
+    assert_eq!(
+        r["items"],
+        json!([]),
+        "nothing new: answered empty after the wait"
+    );
+    assert_eq!(
+        code_of(bob.get("/v1/sync?wait_ms=30001").await),
+        "invalid_argument"
+    );
 }

@@ -48,7 +48,10 @@ async fn command_reaches_all(conns: &mut [&mut WsConn], conv: &str, kind: &str) 
         match &first {
             None => first = Some(m),
             Some(f) => {
-                assert_eq!(m["msg_id"], f["msg_id"], "the same message reaches everyone");
+                assert_eq!(
+                    m["msg_id"], f["msg_id"],
+                    "the same message reaches everyone"
+                );
                 assert_eq!(m["seq"], f["seq"]);
             }
         }
@@ -167,7 +170,10 @@ async fn any_member_invites_and_every_member_hears_of_it() {
 
     // A plain member may invite.
     let conv = bob
-        .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [333]}))
+        .post(
+            &format!("/v1/groups/{id}/members"),
+            &json!({"user_ids": [333]}),
+        )
         .await
         .unwrap();
     assert_eq!(conv["member_count"], 3);
@@ -187,7 +193,6 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     // The newcomer has read everything there is and sees nothing from before they joined.
     let cv = carol.get(&format!("/v1/conversations/{id}")).await.unwrap();
     assert_eq!(cv["unread"], 0, "{cv}");
-    assert_eq!(cv["last_read_seq"], cv["seq"], "{cv}");
     let seen = history(&carol, &id, "?limit=100").await;
     assert!(
         seen.iter().all(|m| m["seq"].as_u64().unwrap() >= 5),
@@ -197,7 +202,9 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     let before = history(&carol, &id, "?before=5").await;
     assert!(before.is_empty(), "{before:?}");
     let r = carol
-        .get(&format!("/v1/conversations/{id}/messages/range?from=1&to=4"))
+        .get(&format!(
+            "/v1/conversations/{id}/messages/range?from=1&to=4"
+        ))
         .await;
     if let Ok(page) = r {
         assert_eq!(page["messages"], json!([]), "no message before joining");
@@ -205,7 +212,10 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     let first = at_seq(&alice, &id, 2).await;
     let code = code_of(
         carol
-            .get(&format!("/v1/messages/{}/versions", first["msg_id"].as_str().unwrap()))
+            .get(&format!(
+                "/v1/messages/{}/versions",
+                first["msg_id"].as_str().unwrap()
+            ))
             .await,
     );
     assert!(code == "not_found" || code == "not_member", "{code}");
@@ -216,12 +226,37 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     assert_eq!(
         code_of(
             alice
-                .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [333]}))
+                .post(
+                    &format!("/v1/groups/{id}/members"),
+                    &json!({"user_ids": [333]})
+                )
                 .await
         ),
         "conflict"
     );
     assert_eq!(newest_seq(&alice, &id).await, 5);
+    // One already a member in the list refuses the whole invitation.
+    let _erin = s.user(555).await;
+    assert_eq!(
+        code_of(
+            alice
+                .post(
+                    &format!("/v1/groups/{id}/members"),
+                    &json!({"user_ids": [555, 222]})
+                )
+                .await
+        ),
+        "conflict"
+    );
+    assert_eq!(newest_seq(&alice, &id).await, 5);
+    assert_eq!(
+        roles(&alice, &id).await,
+        vec![
+            (111, "owner".into()),
+            (222, "member".into()),
+            (333, "member".into())
+        ]
+    );
 
     // The newcomer takes part like anyone else.
     let ack = carol
@@ -230,14 +265,22 @@ async fn any_member_invites_and_every_member_hears_of_it() {
         .unwrap();
     assert_eq!(ack["seq"], 6);
     let m = pushed(&mut a, &id, "text").await;
-    assert_eq!((m["seq"].as_u64(), m["sender"].as_u64()), (Some(6), Some(333)));
+    assert_eq!(
+        (m["seq"].as_u64(), m["sender"].as_u64()),
+        (Some(6), Some(333))
+    );
     // A stranger cannot invite.
     let dave = s.user(444).await;
     let code = code_of(
-        dave.post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [444]}))
-            .await,
+        dave.post(
+            &format!("/v1/groups/{id}/members"),
+            &json!({"user_ids": [444]}),
+        )
+        .await,
     );
     assert!(code == "not_member" || code == "not_found", "{code}");
+    // Joining, carol's read mark started at the group's newest seq (her invitation, 5).
+    assert_eq!(cv["last_read_seq"], cv["seq"], "{cv}");
 }
 
 #[tokio::test]
@@ -280,6 +323,20 @@ async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
     assert_eq!(pushed(&mut b, &id, "text").await["seq"], 4);
     no_push_after(&mut c, &id, kick_seq).await;
 
+    // Carol's inbox ends with the kick.
+    let pulled = request(
+        &mut c,
+        json!({"type": "pull", "chain": "user", "from": 1}),
+        7,
+    )
+    .await;
+    let items = pulled["items"].as_array().expect("pull items");
+    let last = items
+        .iter()
+        .rfind(|i| i["message"]["conversation_id"] == id.as_str())
+        .expect("group messages in carol's inbox");
+    assert_eq!(last["message"]["msg_id"], cmd["msg_id"], "{pulled}");
+
     // Reading: up to the kick at most.
     match carol
         .get(&format!("/v1/conversations/{id}/messages?limit=100"))
@@ -304,7 +361,9 @@ async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
         Err(e) => assert_eq!(e.code(), Some("not_member")),
     }
     match carol
-        .get(&format!("/v1/conversations/{id}/messages/range?from=1&to=10"))
+        .get(&format!(
+            "/v1/conversations/{id}/messages/range?from=1&to=10"
+        ))
         .await
     {
         Ok(page) => assert!(
@@ -325,13 +384,11 @@ async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
         ),
         "not_member"
     );
-    let ack = request(
-        &mut c,
-        send_frame(text_to_conv("c2", &id, "over ws")),
-        1,
-    )
-    .await;
-    assert_eq!((ack["type"].as_str(), ack["code"].as_str()), (Some("error"), Some("not_member")));
+    let ack = request(&mut c, send_frame(text_to_conv("c2", &id, "over ws")), 1).await;
+    assert_eq!(
+        (ack["type"].as_str(), ack["code"].as_str()),
+        (Some("error"), Some("not_member"))
+    );
     assert_eq!(
         code_of(carol.get(&format!("/v1/groups/{id}/members")).await),
         "not_member"
@@ -340,7 +397,10 @@ async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
     assert_eq!(
         code_of(
             carol
-                .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [333]}))
+                .post(
+                    &format!("/v1/groups/{id}/members"),
+                    &json!({"user_ids": [333]})
+                )
                 .await
         ),
         "not_member"
@@ -480,7 +540,10 @@ async fn a_muted_member_cannot_send_until_unmuted() {
         "muted"
     );
     let e = request(&mut b, send_frame(text_to_conv("b2", &id, "over ws")), 9).await;
-    assert_eq!((e["type"].as_str(), e["code"].as_str()), (Some("error"), Some("muted")));
+    assert_eq!(
+        (e["type"].as_str(), e["code"].as_str()),
+        (Some("error"), Some("muted"))
+    );
     let seq_muted = newest_seq(&alice, &id).await;
     // Others still talk; muting in a group does not touch bob's single chats.
     carol
@@ -624,7 +687,10 @@ async fn the_owner_appoints_admins_who_kick_members_but_not_admins() {
     );
     // The owner's role never changes.
     let code = code_of(delete(&alice, &format!("/v1/groups/{id}/admins/111")).await);
-    assert!(code == "conflict" || code == "forbidden" || code == "invalid_argument", "{code}");
+    assert!(
+        code == "conflict" || code == "forbidden" || code == "invalid_argument",
+        "{code}"
+    );
     assert_eq!(member(&alice, &id, 111).await["role"], "owner");
 }
 
@@ -639,15 +705,22 @@ async fn group_updates_carry_only_the_changed_fields() {
     let mut b = s.ws(&tb, "b").await;
     let mut c = s.ws(&tc, "c").await;
 
-    let conv = patch(&alice, &format!("/v1/groups/{id}"), &json!({"name": "renamed"}))
-        .await
-        .unwrap();
+    let conv = patch(
+        &alice,
+        &format!("/v1/groups/{id}"),
+        &json!({"name": "renamed"}),
+    )
+    .await
+    .unwrap();
     assert_eq!(conv["name"], "renamed");
     let cmd = command_reaches_all(&mut [&mut b, &mut c], &id, "group_updated").await;
     assert_eq!(cmd["sender"], 111);
     assert_eq!(cmd["extra"], json!({"name": "renamed"}));
     assert_eq!(cmd["seq"], 2);
-    assert_eq!(at_seq(&carol, &id, 2).await["extra"], json!({"name": "renamed"}));
+    assert_eq!(
+        at_seq(&carol, &id, 2).await["extra"],
+        json!({"name": "renamed"})
+    );
     assert_eq!(
         carol.get(&format!("/v1/conversations/{id}")).await.unwrap()["name"],
         "renamed"
@@ -676,9 +749,13 @@ async fn group_updates_carry_only_the_changed_fields() {
     put(&alice, &format!("/v1/groups/{id}/admins/222"))
         .await
         .unwrap();
-    patch(&bob, &format!("/v1/groups/{id}"), &json!({"notice": "by bob"}))
-        .await
-        .expect("an admin updates");
+    patch(
+        &bob,
+        &format!("/v1/groups/{id}"),
+        &json!({"notice": "by bob"}),
+    )
+    .await
+    .expect("an admin updates");
     let cmd = command_reaches_all(&mut [&mut c], &id, "group_updated").await;
     assert_eq!(cmd["sender"], 222);
     assert_eq!(cmd["extra"], json!({"notice": "by bob"}));
@@ -721,11 +798,17 @@ async fn a_dismissed_group_is_read_only() {
         );
     }
     let e = request(&mut c, send_frame(text_to_conv("c1", &id, "hello?")), 3).await;
-    assert_eq!((e["type"].as_str(), e["code"].as_str()), (Some("error"), Some("conflict")));
+    assert_eq!(
+        (e["type"].as_str(), e["code"].as_str()),
+        (Some("error"), Some("conflict"))
+    );
     assert_eq!(
         code_of(
-            bob.post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [444]}))
-                .await
+            bob.post(
+                &format!("/v1/groups/{id}/members"),
+                &json!({"user_ids": [444]})
+            )
+            .await
         ),
         "conflict"
     );
@@ -733,7 +816,10 @@ async fn a_dismissed_group_is_read_only() {
     assert_eq!(
         code_of(
             alice
-                .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [444]}))
+                .post(
+                    &format!("/v1/groups/{id}/members"),
+                    &json!({"user_ids": [444]})
+                )
                 .await
         ),
         "conflict"
@@ -822,11 +908,17 @@ async fn a_member_invited_again_reads_only_from_the_new_invitation() {
         .await
         .unwrap();
     alice
-        .post("/v1/messages", &text_to_conv("a1", &id, "while bob is away"))
+        .post(
+            "/v1/messages",
+            &text_to_conv("a1", &id, "while bob is away"),
+        )
         .await
         .unwrap();
     alice
-        .post(&format!("/v1/groups/{id}/members"), &json!({"user_ids": [222]}))
+        .post(
+            &format!("/v1/groups/{id}/members"),
+            &json!({"user_ids": [222]}),
+        )
         .await
         .expect("a former member can be invited again");
     let back = newest_seq(&alice, &id).await;
@@ -836,8 +928,101 @@ async fn a_member_invited_again_reads_only_from_the_new_invitation() {
     assert_eq!(seqs, vec![4], "only from the new invitation on");
     let cv = bob.get(&format!("/v1/conversations/{id}")).await.unwrap();
     assert_eq!(cv["unread"], 0);
-    assert_eq!(cv["last_read_seq"], cv["seq"]);
+    assert_eq!(
+        code_of(
+            alice
+                .post(
+                    &format!("/v1/groups/{id}/members"),
+                    &json!({"user_ids": [222]})
+                )
+                .await
+        ),
+        "conflict"
+    );
+    // The read mark starts at the group's newest seq (the new invitation).
+    assert_eq!(cv["last_read_seq"], cv["seq"], "{cv}");
     bob.post("/v1/messages", &text_to_conv("b1", &id, "back"))
         .await
         .expect("a member again");
+}
+
+#[tokio::test]
+async fn removal_is_the_last_push_in_a_read_fanout_group_too() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    let carol = s.anon().with_bearer(tc.clone());
+    let _dave = s.user(444).await;
+    let id = group(&alice, &[222, 333, 444]).await;
+    let cv = alice.get(&format!("/v1/conversations/{id}")).await.unwrap();
+    assert_eq!(cv["fanout"], "read");
+    let mut b = s.ws(&tb, "b").await;
+    let mut c = s.ws(&tc, "c").await;
+
+    delete(&alice, &format!("/v1/groups/{id}/members/333"))
+        .await
+        .unwrap();
+    let push = c
+        .recv_until(WAIT, |v| {
+            v["type"] == "msg" && v["message"]["kind"] == "member_kicked"
+        })
+        .await
+        .unwrap()
+        .expect("the kick reaches the kicked member");
+    assert!(
+        push.get("user_seq").is_none(),
+        "read fan-out pushes carry no user_seq: {push}"
+    );
+    let kick_seq = push["message"]["seq"].as_u64().unwrap();
+    pushed(&mut b, &id, "member_kicked").await;
+    alice
+        .post("/v1/messages", &text_to_conv("a1", &id, "after"))
+        .await
+        .unwrap();
+    assert_eq!(pushed(&mut b, &id, "text").await["seq"], kick_seq + 1);
+    no_push_after(&mut c, &id, kick_seq).await;
+    let pulled = request(
+        &mut c,
+        json!({"type": "pull", "chain": "conversation", "conversation_id": id, "from": 1}),
+        2,
+    )
+    .await;
+    if pulled["type"] == "pull_result" {
+        let seqs: Vec<u64> = pulled["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["seq"].as_u64().unwrap())
+            .collect();
+        assert_eq!(seqs.last().copied(), Some(kick_seq), "{pulled}");
+    } else {
+        assert_eq!(pulled["code"], "not_member", "{pulled}");
+    }
+    match carol
+        .get(&format!("/v1/conversations/{id}/messages?after={kick_seq}"))
+        .await
+    {
+        Ok(page) => assert_eq!(page["messages"], json!([])),
+        Err(e) => assert_eq!(e.code(), Some("not_member")),
+    }
+    // A newcomer to the big group gets the invitation pushed and reads from it on.
+    let te = s.token(555).await;
+    let erin = s.anon().with_bearer(te.clone());
+    let mut e = s.ws(&te, "e").await;
+    alice
+        .post(
+            &format!("/v1/groups/{id}/members"),
+            &json!({"user_ids": [555]}),
+        )
+        .await
+        .unwrap();
+    let inv = pushed(&mut e, &id, "member_invited").await;
+    assert_eq!(inv["seq"], kick_seq + 2);
+    let seen = history(&erin, &id, "?limit=100").await;
+    assert!(
+        seen.iter()
+            .all(|m| m["seq"].as_u64().unwrap() >= kick_seq + 2)
+    );
+    let cv = erin.get(&format!("/v1/conversations/{id}")).await.unwrap();
+    assert_eq!(cv["unread"], 0, "{cv}");
 }

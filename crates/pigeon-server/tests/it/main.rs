@@ -8,9 +8,11 @@ mod delivery;
 mod errors;
 mod groups;
 mod history;
-mod offline_hook;
 mod message_ops;
+mod offline_hook;
+mod proxy;
 mod reads;
+mod sdk;
 
 use pigeon_client::{Http, WsConn};
 use pigeon_server::{Config, Running};

@@ -114,24 +114,49 @@ async fn the_sender_recalls_and_everyone_sees_it_recalled() {
         assert_eq!(m["status"], "recalled");
         assert_eq!(m["content"], "");
         let m = in_history(h, "111-222", &id).await;
-        assert_eq!((m["status"].as_str(), m["content"].as_str()), (Some("recalled"), Some("")));
+        assert_eq!(
+            (m["status"].as_str(), m["content"].as_str()),
+            (Some("recalled"), Some(""))
+        );
         let c = at_seq(h, "111-222", seq + 1).await;
         assert_eq!(c["kind"], "recall");
         assert_eq!(c["extra"]["msg_id"], id.as_str());
     }
+    // Nor does the conversation's last message, when it is the recalled one.
+    for h in [&alice, &bob] {
+        let c = h.get("/v1/conversations/111-222").await.unwrap();
+        let last = &c["last_message"];
+        if last["msg_id"] == id.as_str() {
+            assert_eq!(
+                (last["status"].as_str(), last["content"].as_str()),
+                (Some("recalled"), Some(""))
+            );
+        }
+        assert_ne!(last["content"], "oops, wrong chat");
+    }
     // The versions read shows nothing of the original either.
-    let v = bob.get(&format!("/v1/messages/{id}/versions")).await.unwrap();
+    let v = bob
+        .get(&format!("/v1/messages/{id}/versions"))
+        .await
+        .unwrap();
     for version in v["versions"].as_array().unwrap() {
         assert_eq!(version["content"], "", "{v}");
     }
 
     // The back end still sees the original, and who recalled it when.
-    let audit = s.admin.get(&format!("/v1/admin/messages/{id}")).await.unwrap();
+    let audit = s
+        .admin
+        .get(&format!("/v1/admin/messages/{id}"))
+        .await
+        .unwrap();
     assert_eq!(audit["message"]["content"], "oops, wrong chat");
     assert_eq!(audit["message"]["status"], "recalled");
     assert_eq!(audit["recalled_by"], 111);
     let at = audit["recalled_at"].as_i64().expect("recalled_at is set");
-    assert!(at >= cmd["created_at"].as_i64().unwrap() - 1000 && at <= cmd["created_at"].as_i64().unwrap() + 1000);
+    assert!(
+        at >= cmd["created_at"].as_i64().unwrap() - 1000
+            && at <= cmd["created_at"].as_i64().unwrap() + 1000
+    );
     assert_eq!(
         code_of(alice.get(&format!("/v1/admin/messages/{id}")).await),
         "unauthorized"
@@ -151,10 +176,17 @@ async fn a_late_recall_is_refused() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(code_of(recall(&alice, &id).await), "window_expired");
     let m = at_seq(&bob, "111-222", seq).await;
-    assert_eq!((m["status"].as_str(), m["content"].as_str()), (Some("normal"), Some("too late")));
+    assert_eq!(
+        (m["status"].as_str(), m["content"].as_str()),
+        (Some("normal"), Some("too late"))
+    );
     let conv = bob.get("/v1/conversations/111-222").await.unwrap();
     assert_eq!(conv["seq"], 3, "only the one recall command was appended");
-    let audit = s.admin.get(&format!("/v1/admin/messages/{id}")).await.unwrap();
+    let audit = s
+        .admin
+        .get(&format!("/v1/admin/messages/{id}"))
+        .await
+        .unwrap();
     assert!(audit["recalled_at"].is_null() && audit["recalled_by"].is_null());
 }
 
@@ -187,12 +219,16 @@ async fn group_owner_and_admins_recall_any_message_at_any_time() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
     assert_eq!(code_of(recall(&carol, &m1).await), "window_expired");
-    let r = recall(&alice, &m1).await.expect("the owner recalls at any time");
+    let r = recall(&alice, &m1)
+        .await
+        .expect("the owner recalls at any time");
     assert_eq!(r["status"], "recalled");
     let cmd = pushed(&mut d, &gid, "recall").await;
     assert_eq!(cmd["sender"], 111);
     assert_eq!(cmd["extra"]["msg_id"], m1.as_str());
-    recall(&bob, &m2).await.expect("an admin recalls at any time");
+    recall(&bob, &m2)
+        .await
+        .expect("an admin recalls at any time");
     let cmd = pushed(&mut d, &gid, "recall").await;
     assert_eq!(cmd["sender"], 222);
     assert_eq!(cmd["extra"]["msg_id"], m2.as_str());
@@ -201,15 +237,29 @@ async fn group_owner_and_admins_recall_any_message_at_any_time() {
     for h in [&alice, &bob, &carol, &dave] {
         for seq in [s1, s2] {
             let m = at_seq(h, &gid, seq).await;
-            assert_eq!((m["status"].as_str(), m["content"].as_str()), (Some("recalled"), Some("")));
+            assert_eq!(
+                (m["status"].as_str(), m["content"].as_str()),
+                (Some("recalled"), Some(""))
+            );
         }
         let m = at_seq(h, &gid, s3).await;
-        assert_eq!((m["status"].as_str(), m["content"].as_str()), (Some("normal"), Some("three")));
+        assert_eq!(
+            (m["status"].as_str(), m["content"].as_str()),
+            (Some("normal"), Some("three"))
+        );
     }
-    let audit = s.admin.get(&format!("/v1/admin/messages/{m1}")).await.unwrap();
+    let audit = s
+        .admin
+        .get(&format!("/v1/admin/messages/{m1}"))
+        .await
+        .unwrap();
     assert_eq!(audit["recalled_by"], 111);
     assert_eq!(audit["message"]["content"], "one");
-    let audit = s.admin.get(&format!("/v1/admin/messages/{m2}")).await.unwrap();
+    let audit = s
+        .admin
+        .get(&format!("/v1/admin/messages/{m2}"))
+        .await
+        .unwrap();
     assert_eq!(audit["recalled_by"], 222);
     assert_eq!(audit["message"]["content"], "two");
     assert_eq!(audit["message"]["sender"], 333);
@@ -253,21 +303,33 @@ async fn edits_grow_the_version_and_keep_every_version() {
         let versions = v["versions"].as_array().unwrap();
         let got: Vec<(u64, &str)> = versions
             .iter()
-            .map(|x| (x["version"].as_u64().unwrap(), x["content"].as_str().unwrap()))
+            .map(|x| {
+                (
+                    x["version"].as_u64().unwrap(),
+                    x["content"].as_str().unwrap(),
+                )
+            })
             .collect();
         assert_eq!(got, vec![(1, "v one"), (2, "v two"), (3, "v three")]);
         let ats: Vec<i64> = versions.iter().map(|x| x["at"].as_i64().unwrap()).collect();
         assert!(ats.windows(2).all(|w| w[0] <= w[1]), "{ats:?}");
         assert_eq!(ats[0], m["created_at"].as_i64().unwrap());
     }
-    let audit = s.admin.get(&format!("/v1/admin/messages/{id}")).await.unwrap();
+    let audit = s
+        .admin
+        .get(&format!("/v1/admin/messages/{id}"))
+        .await
+        .unwrap();
     assert_eq!(audit["versions"].as_array().unwrap().len(), 3);
     assert_eq!(audit["message"]["content"], "v three");
     // Nobody else edits it.
     assert_eq!(code_of(edit(&bob, &id, "mine now").await), "forbidden");
     assert_eq!(code_of(edit(&alice, &id, "").await), "invalid_argument");
     let m = at_seq(&bob, "111-222", seq).await;
-    assert_eq!((m["version"].as_u64(), m["content"].as_str()), (Some(3), Some("v three")));
+    assert_eq!(
+        (m["version"].as_u64(), m["content"].as_str()),
+        (Some(3), Some("v three"))
+    );
 }
 
 #[tokio::test]
@@ -277,9 +339,15 @@ async fn only_text_is_edited() {
     let bob = s.user(222).await;
     let body = json!({"client_msg_id": "i1", "to": {"user": 222}, "kind": "image", "content": "https://x/1.png"});
     let (id, seq) = send(&alice, body).await;
-    assert_eq!(code_of(edit(&alice, &id, "https://x/2.png").await), "invalid_argument");
+    assert_eq!(
+        code_of(edit(&alice, &id, "https://x/2.png").await),
+        "invalid_argument"
+    );
     let m = at_seq(&bob, "111-222", seq).await;
-    assert_eq!((m["version"].as_u64(), m["content"].as_str()), (Some(1), Some("https://x/1.png")));
+    assert_eq!(
+        (m["version"].as_u64(), m["content"].as_str()),
+        (Some(1), Some("https://x/1.png"))
+    );
     // Someone else's message: forbidden, whatever its kind.
     let (text, _) = send(&bob, text_to_user("t1", 111, "bob's")).await;
     assert_eq!(code_of(edit(&alice, &text, "alice's").await), "forbidden");
@@ -293,11 +361,16 @@ async fn a_late_edit_is_refused() {
     let alice = s.user(111).await;
     let bob = s.user(222).await;
     let (id, seq) = send(&alice, text_to_user("e1", 222, "first")).await;
-    edit(&alice, &id, "second").await.expect("within the window");
+    edit(&alice, &id, "second")
+        .await
+        .expect("within the window");
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(code_of(edit(&alice, &id, "third").await), "window_expired");
     let m = at_seq(&bob, "111-222", seq).await;
-    assert_eq!((m["version"].as_u64(), m["content"].as_str()), (Some(2), Some("second")));
+    assert_eq!(
+        (m["version"].as_u64(), m["content"].as_str()),
+        (Some(2), Some("second"))
+    );
 }
 
 #[tokio::test]
@@ -309,17 +382,35 @@ async fn delete_for_me_hides_the_message_only_for_the_caller() {
     let (m2, s2) = send(&alice, text_to_user("d2", 222, "hide me")).await;
 
     let r = delete(&bob, &format!("/v1/messages/{m2}")).await.unwrap();
-    assert_eq!((r["status"].as_str(), r["content"].as_str()), (Some("deleted"), Some("")));
+    assert_eq!(
+        (r["status"].as_str(), r["content"].as_str()),
+        (Some("deleted"), Some(""))
+    );
     let page = bob.get("/v1/conversations/111-222/messages").await.unwrap();
     assert_eq!(all_seqs(&page), vec![s1, s2], "the message keeps its place");
     let hidden = at_seq(&bob, "111-222", s2).await;
     assert_eq!(hidden["msg_id"], m2.as_str());
-    assert_eq!((hidden["status"].as_str(), hidden["content"].as_str()), (Some("deleted"), Some("")));
+    assert_eq!(
+        (hidden["status"].as_str(), hidden["content"].as_str()),
+        (Some("deleted"), Some(""))
+    );
     let kept = at_seq(&bob, "111-222", s1).await;
-    assert_eq!((kept["status"].as_str(), kept["content"].as_str()), (Some("normal"), Some("keep")));
+    assert_eq!(
+        (kept["status"].as_str(), kept["content"].as_str()),
+        (Some("normal"), Some("keep"))
+    );
     // The sender still has it.
     let theirs = at_seq(&alice, "111-222", s2).await;
-    assert_eq!((theirs["status"].as_str(), theirs["content"].as_str()), (Some("normal"), Some("hide me")));
+    assert_eq!(
+        (theirs["status"].as_str(), theirs["content"].as_str()),
+        (Some("normal"), Some("hide me"))
+    );
+    let c = bob.get("/v1/conversations/111-222").await.unwrap();
+    assert_eq!(c["last_message"]["msg_id"], m2.as_str());
+    assert_eq!(c["last_message"]["status"], "deleted");
+    assert_eq!(c["last_message"]["content"], "");
+    let c = alice.get("/v1/conversations/111-222").await.unwrap();
+    assert_eq!(c["last_message"]["content"], "hide me");
     // Deleting for me appends nothing, and a stranger cannot do it.
     let conv = alice.get("/v1/conversations/111-222").await.unwrap();
     assert_eq!(conv["seq"], 2);
@@ -372,9 +463,16 @@ async fn admin_delete_removes_the_message_for_everyone_and_keeps_its_seq() {
         assert_eq!(all_seqs(&page), vec![1, 2, 3]);
         let m = at_seq(h, "111-222", s2).await;
         assert_eq!(m["msg_id"], m2.as_str());
-        assert_eq!((m["status"].as_str(), m["content"].as_str()), (Some("deleted"), Some("")));
+        assert_eq!(
+            (m["status"].as_str(), m["content"].as_str()),
+            (Some("deleted"), Some(""))
+        );
     }
-    let audit = s.admin.get(&format!("/v1/admin/messages/{m2}")).await.unwrap();
+    let audit = s
+        .admin
+        .get(&format!("/v1/admin/messages/{m2}"))
+        .await
+        .unwrap();
     assert_eq!(audit["message"]["status"], "deleted");
     assert_eq!(audit["message"]["seq"], s2);
     // The chain goes on after it.

@@ -18,7 +18,12 @@ async fn receiver(delay: Duration) -> (String, Received) {
             let sink = sink.clone();
             async move {
                 tokio::time::sleep(delay).await;
-                sink.lock().unwrap().extend(body["notifications"].as_array().cloned().unwrap_or_default());
+                sink.lock().unwrap().extend(
+                    body["notifications"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default(),
+                );
                 "ok"
             }
         }),
@@ -47,10 +52,20 @@ async fn offline_members_are_notified_online_and_muted_ones_are_not() {
     let bob = s.user(2).await;
     let tc = s.token(3).await;
     let _online = s.ws(&tc, "carol-phone").await;
-    alice.post("/v1/messages", &text_to_user("o1", 2, "are you there?")).await.unwrap();
-    alice.post("/v1/messages", &text_to_user("o2", 3, "carol is online")).await.unwrap();
+    alice
+        .post("/v1/messages", &text_to_user("o1", 2, "are you there?"))
+        .await
+        .unwrap();
+    alice
+        .post("/v1/messages", &text_to_user("o2", 3, "carol is online"))
+        .await
+        .unwrap();
     let seen = wait_for(&got, 1).await;
-    assert_eq!(seen.len(), 1, "only the offline recipient, never the sender or online users: {seen:?}");
+    assert_eq!(
+        seen.len(),
+        1,
+        "only the offline recipient, never the sender or online users: {seen:?}"
+    );
     let n = &seen[0];
     assert_eq!(n["recipient"], 2);
     assert_eq!(n["sender"], 1);
@@ -59,15 +74,36 @@ async fn offline_members_are_notified_online_and_muted_ones_are_not() {
     assert_eq!(n["unread_total"], 1);
     assert_eq!(n["seq"], 1);
     // Bob mutes the chat: no more notifications for it.
-    bob.call(reqwest::Method::PUT, "/v1/conversations/1-2/settings", Some(&json!({"muted": true}))).await.unwrap();
-    alice.post("/v1/messages", &text_to_user("o3", 2, "muted now")).await.unwrap();
-    let g = alice.post("/v1/groups", &json!({"name": "g", "members": [2]})).await.unwrap();
+    bob.call(
+        reqwest::Method::PUT,
+        "/v1/conversations/1-2/settings",
+        Some(&json!({"muted": true})),
+    )
+    .await
+    .unwrap();
+    alice
+        .post("/v1/messages", &text_to_user("o3", 2, "muted now"))
+        .await
+        .unwrap();
+    let g = alice
+        .post("/v1/groups", &json!({"name": "g", "members": [2]}))
+        .await
+        .unwrap();
     let gid = g["conversation_id"].as_str().unwrap();
-    alice.post("/v1/messages", &text_to_conv("o4", gid, "in the group")).await.unwrap();
+    alice
+        .post("/v1/messages", &text_to_conv("o4", gid, "in the group"))
+        .await
+        .unwrap();
     let seen = wait_for(&got, 2).await;
     assert_eq!(seen.len(), 2, "{seen:?}");
-    assert_eq!(seen[1]["preview"], "in the group", "command messages and muted chats are not notified");
-    assert_eq!(seen[1]["unread_total"], 1, "the muted chat's unread is left out of the total");
+    assert_eq!(
+        seen[1]["preview"], "in the group",
+        "command messages and muted chats are not notified"
+    );
+    assert_eq!(
+        seen[1]["unread_total"], 1,
+        "the muted chat's unread is left out of the total"
+    );
 }
 
 #[tokio::test]
@@ -92,12 +128,20 @@ async fn a_down_or_slow_receiver_does_not_slow_sending() {
         let _ = s.token(2).await;
         let mut a = s.ws(&ta, "a").await;
         for i in 0..300 {
-            a.send(&send_frame(text_to_user(&format!("s{i}"), 2, "x"))).await.unwrap();
+            a.send(&send_frame(text_to_user(&format!("s{i}"), 2, "x")))
+                .await
+                .unwrap();
         }
         let mut acks = 0;
         while acks < 300 {
-            let v = a.recv_until(Duration::from_secs(5), |v| v["type"] == "send_ack").await.unwrap();
-            assert!(v.is_some(), "acks keep coming while the hook is unreachable or slow");
+            let v = a
+                .recv_until(Duration::from_secs(5), |v| v["type"] == "send_ack")
+                .await
+                .unwrap();
+            assert!(
+                v.is_some(),
+                "acks keep coming while the hook is unreachable or slow"
+            );
             acks += 1;
         }
     }

@@ -111,36 +111,52 @@ async fn read_marks_only_move_forward_and_stop_at_the_newest() {
     let bob = s.anon().with_bearer(tb.clone());
     send_n(&alice, 222, "m", 5).await;
     let c = conv(&bob, "111-222").await;
-    assert_eq!((c["unread"].as_u64(), c["last_read_seq"].as_u64()), (Some(5), Some(0)));
+    assert_eq!(
+        (c["unread"].as_u64(), c["last_read_seq"].as_u64()),
+        (Some(5), Some(0))
+    );
 
     assert_eq!(read(&bob, "111-222", 3).await, 3);
     let c = conv(&bob, "111-222").await;
-    assert_eq!((c["unread"].as_u64(), c["last_read_seq"].as_u64()), (Some(2), Some(3)));
+    assert_eq!(
+        (c["unread"].as_u64(), c["last_read_seq"].as_u64()),
+        (Some(2), Some(3))
+    );
     assert_eq!(read(&bob, "111-222", 2).await, 3, "never moves back");
     assert_eq!(conv(&bob, "111-222").await["last_read_seq"], 3);
     assert_eq!(read(&bob, "111-222", 99).await, 5, "never past the newest");
     let c = conv(&bob, "111-222").await;
-    assert_eq!((c["unread"].as_u64(), c["last_read_seq"].as_u64()), (Some(0), Some(5)));
+    assert_eq!(
+        (c["unread"].as_u64(), c["last_read_seq"].as_u64()),
+        (Some(0), Some(5))
+    );
 
     // The same over the WebSocket.
     send_n(&alice, 222, "n", 3).await;
+    // A read frame has no reply: the receipt on bob's other device says it is done.
     let mut b = s.ws(&tb, "b").await;
+    let mut b2 = s.ws(&tb, "b2").await;
     b.send(&json!({"type": "read", "conversation_id": "111-222", "seq": 7}))
         .await
         .unwrap();
-    let pong = request(&mut b, json!({"type": "ping"}), 1).await;
-    assert_eq!(pong["type"], "pong");
+    receipt(&mut b2, "111-222", 222, 7).await;
     let c = conv(&bob, "111-222").await;
-    assert_eq!((c["unread"].as_u64(), c["last_read_seq"].as_u64()), (Some(1), Some(7)));
+    assert_eq!(
+        (c["unread"].as_u64(), c["last_read_seq"].as_u64()),
+        (Some(1), Some(7))
+    );
     b.send(&json!({"type": "read", "conversation_id": "111-222", "seq": 4}))
         .await
         .unwrap();
     b.send(&json!({"type": "read", "conversation_id": "111-222", "seq": 1000}))
         .await
         .unwrap();
-    request(&mut b, json!({"type": "ping"}), 2).await;
+    receipt(&mut b2, "111-222", 222, 8).await;
     let c = conv(&bob, "111-222").await;
-    assert_eq!((c["unread"].as_u64(), c["last_read_seq"].as_u64()), (Some(0), Some(8)));
+    assert_eq!(
+        (c["unread"].as_u64(), c["last_read_seq"].as_u64()),
+        (Some(0), Some(8))
+    );
     assert_eq!(read(&bob, "111-222", 6).await, 8);
     // Not a member: no read mark anywhere.
     let carol = s.user(333).await;
@@ -178,16 +194,21 @@ async fn receipts_reach_the_peer_and_the_readers_other_devices() {
     for ws in [&mut a, &mut b1, &mut b2] {
         receipt(ws, "111-222", 222, 3).await;
     }
-    // A receipt is about the reader: the reader's peer reading shows up with their id.
-    assert_eq!(read(&alice, "111-222", 4).await, 4);
+    // A receipt names the reader: alice reading bob's answer shows up on bob's devices.
+    bob.post("/v1/messages", &text_to_user("b1", 111, "answer"))
+        .await
+        .unwrap();
+    assert_eq!(read(&alice, "111-222", 5).await, 5);
     for ws in [&mut b1, &mut b2] {
-        receipt(ws, "111-222", 111, 4).await;
+        receipt(ws, "111-222", 111, 5).await;
     }
-    // A read that moves nothing tells nobody about a different position.
-    assert_eq!(read(&bob, "111-222", 1).await, 3);
+    // A read that moves nothing never announces an older position.
+    assert_eq!(read(&bob, "111-222", 1).await, 5);
     let stray = a
         .recv_until(Duration::from_millis(300), |v| {
-            v["type"] == "receipt" && v["last_read_seq"] != 3
+            v["type"] == "receipt"
+                && v["user_id"] == 222
+                && v["last_read_seq"].as_u64().unwrap_or(0) < 5
         })
         .await
         .unwrap();
@@ -200,17 +221,24 @@ async fn receipts_list_who_read_a_message() {
     let alice = s.user(111).await;
     let bob = s.user(222).await;
     let carol = s.user(333).await;
-    let _dave = s.user(444).await;
+    let td = s.token(444).await;
     let g = alice
-        .post("/v1/groups", &json!({"name": "g", "members": [222, 333, 444]}))
+        .post(
+            "/v1/groups",
+            &json!({"name": "g", "members": [222, 333, 444]}),
+        )
         .await
         .unwrap();
     let id = g["conversation_id"].as_str().unwrap().to_owned();
     let ack = alice
-        .post("/v1/messages", &text_to_conv("a1", &id, "did you read this?"))
+        .post(
+            "/v1/messages",
+            &text_to_conv("a1", &id, "did you read this?"),
+        )
         .await
         .unwrap();
     let seq = ack["seq"].as_u64().unwrap();
+    let mut d = s.ws(&td, "d").await;
     let path = format!("/v1/conversations/{id}/receipts?seq={seq}");
     let r = alice.get(&path).await.unwrap();
     assert_eq!(sorted_ids(&r["read"]), Vec::<u64>::new());
@@ -218,6 +246,9 @@ async fn receipts_list_who_read_a_message() {
 
     read(&bob, &id, seq).await;
     read(&carol, &id, seq - 1).await;
+    // Every other member of the group hears of each read.
+    receipt(&mut d, &id, 222, seq).await;
+    receipt(&mut d, &id, 333, seq - 1).await;
     let r = carol.get(&path).await.unwrap();
     assert_eq!(sorted_ids(&r["read"]), vec![222]);
     assert_eq!(sorted_ids(&r["unread"]), vec![333, 444]);
@@ -306,7 +337,11 @@ async fn unread_counts_only_normal_user_content_from_others() {
         .unwrap();
     let deleted = send(alice.clone(), "a7", "video").await;
     s.admin
-        .call(Method::DELETE, &format!("/v1/admin/messages/{deleted}"), None)
+        .call(
+            Method::DELETE,
+            &format!("/v1/admin/messages/{deleted}"),
+            None,
+        )
         .await
         .unwrap();
 
@@ -411,7 +446,10 @@ async fn pinned_conversations_come_first() {
     assert_eq!(listed(&alice).await, vec!["111-333", "111-444", "111-222"]);
     // Pages follow the same order.
     let page = alice.get("/v1/conversations?limit=2").await.unwrap();
-    let cursor = page["next_cursor"].as_str().expect("a next page").to_owned();
+    let cursor = page["next_cursor"]
+        .as_str()
+        .expect("a next page")
+        .to_owned();
     let rest = alice
         .get(&format!("/v1/conversations?limit=2&cursor={cursor}"))
         .await
@@ -449,6 +487,16 @@ async fn hidden_conversations_return_with_a_new_message() {
     assert_eq!(l, vec!["111-333", "111-222"]);
     let c = conv(&alice, "111-333").await;
     assert_eq!(c["unread"], 1);
+    // Settings are only for members.
+    let code = code_of(
+        bob.call(
+            Method::PUT,
+            "/v1/conversations/111-333/settings",
+            Some(&json!({"hidden": true})),
+        )
+        .await,
+    );
+    assert!(code == "not_member" || code == "not_found", "{code}");
 }
 
 #[tokio::test]
@@ -501,6 +549,24 @@ async fn typing_is_relayed_to_the_other_members_only() {
     assert_eq!(t["user_id"], 444);
     no_frame_of(&mut b, "typing", 300).await;
     no_frame_of(&mut d, "typing", 100).await;
+    // An outsider's typing reaches nobody.
+    let te = s.token(555).await;
+    let mut e = s.ws(&te, "e").await;
+    e.send(&json!({"type": "typing", "conversation_id": id}))
+        .await
+        .unwrap();
+    if let Some(err) = e
+        .recv_until(Duration::from_millis(300), |v| v["type"] == "error")
+        .await
+        .unwrap()
+    {
+        assert!(
+            err["code"] == "not_member" || err["code"] == "not_found",
+            "{err}"
+        );
+    }
+    no_frame_of(&mut b, "typing", 100).await;
+    no_frame_of(&mut c, "typing", 100).await;
     // Nothing is stored.
     assert_eq!(conv(&alice, "111-444").await["seq"], 1);
 }
@@ -530,7 +596,10 @@ async fn random_traffic_leaves_the_expected_unread_counts() {
         http.insert(*u, s.user(*u).await);
     }
     let g = http[&101]
-        .post("/v1/groups", &json!({"name": "all", "members": [102, 103, 104]}))
+        .post(
+            "/v1/groups",
+            &json!({"name": "all", "members": [102, 103, 104]}),
+        )
         .await
         .unwrap();
     let gid = g["conversation_id"].as_str().unwrap().to_owned();
@@ -559,7 +628,10 @@ async fn random_traffic_leaves_the_expected_unread_counts() {
             let got = read(&http[&who], c, target).await;
             let mark = marks.entry((who, c.clone())).or_insert(0);
             *mark = (*mark).max(target.min(newest));
-            assert_eq!(got, *mark, "read mark of {who} in {c} after reading {target}");
+            assert_eq!(
+                got, *mark,
+                "read mark of {who} in {c} after reading {target}"
+            );
             continue;
         }
         let body = if rng.below(3) == 0 {
@@ -616,7 +688,11 @@ async fn random_traffic_leaves_the_expected_unread_counts() {
             let got = conv(&http[u], c).await;
             assert_eq!(got["last_read_seq"], mark, "{u} in {c}: {got}");
             assert_eq!(got["unread"], expected, "{u} in {c}: {got}");
-            assert_eq!(per.get(c).copied().unwrap_or(0), expected, "/v1/unread of {u} in {c}");
+            assert_eq!(
+                per.get(c).copied().unwrap_or(0),
+                expected,
+                "/v1/unread of {u} in {c}"
+            );
             let entry = list["conversations"]
                 .as_array()
                 .unwrap()
