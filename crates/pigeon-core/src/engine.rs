@@ -712,7 +712,8 @@ impl Engine {
                 rules::MAX_GROUP_MEMBERS
             )));
         }
-        // New members see the invitation itself and have read everything before it.
+        // New members see the invitation itself; their read mark starts at the newest seq, the
+        // invitation (PROTOCOL.md: a joiner has read everything sent before they joined).
         let invite_seq = conv.seq + 1;
         for u in &fresh {
             conv.members.insert(
@@ -722,7 +723,7 @@ impl Engine {
                     joined_seq: invite_seq,
                     joined_at: now,
                     mute_until: None,
-                    last_read_seq: conv.seq,
+                    last_read_seq: invite_seq,
                     pinned: false,
                     muted: false,
                     hidden_seq: None,

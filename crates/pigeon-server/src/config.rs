@@ -244,11 +244,10 @@ impl Config {
         if self.heartbeat_ms < 100 {
             return invalid("heartbeat-ms must be at least 100");
         }
-        if let Some(url) = &self.offline_webhook_url {
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
+        if let Some(url) = &self.offline_webhook_url
+            && !(url.starts_with("http://") || url.starts_with("https://")) {
                 return invalid("offline-webhook-url must be an http:// or https:// URL");
             }
-        }
         if self.max_connections == 0 {
             return invalid("max-connections must be at least 1");
         }

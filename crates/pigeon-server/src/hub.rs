@@ -228,11 +228,10 @@ impl Hub {
                                 frame: frame.clone(),
                             })
                         });
-                        if let Some(hook) = notify_offline {
-                            if !online && !r.muted && r.user != message.sender {
+                        if let Some(hook) = notify_offline
+                            && !online && !r.muted && r.user != message.sender {
                                 hook.notify(Notice::of(&message, r.user));
                             }
-                        }
                     }
                     metrics::counter!("pigeon_messages_pushed_total").increment(1);
                 }

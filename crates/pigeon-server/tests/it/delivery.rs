@@ -4,7 +4,7 @@
 use crate::*;
 use serde_json::json;
 
-async fn group_of(s: &TestServer, owner: &Http, members: &[u64]) -> String {
+async fn group_of(_s: &TestServer, owner: &Http, members: &[u64]) -> String {
     let g = owner
         .post("/v1/groups", &json!({"name": "g", "members": members}))
         .await

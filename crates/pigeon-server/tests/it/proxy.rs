@@ -59,6 +59,8 @@ pub async fn start(upstream_ws_base: String, faults: Faults) -> FaultyProxy {
     }
 }
 
+// The handshake callback's error type is tungstenite's own HTTP response.
+#[allow(clippy::result_large_err)]
 async fn relay(
     stream: TcpStream,
     upstream: String,
@@ -129,11 +131,10 @@ async fn relay(
             if c_tx.send(m.clone()).await.is_err() || (twice && c_tx.send(m).await.is_err()) {
                 return;
             }
-            if let Some(h) = held.take() {
-                if c_tx.send(h).await.is_err() {
+            if let Some(h) = held.take()
+                && c_tx.send(h).await.is_err() {
                     return;
                 }
-            }
         }
     };
     let up = async move {
