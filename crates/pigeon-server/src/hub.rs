@@ -92,7 +92,21 @@ pub struct Hub {
     /// Long polls in progress; when none, publishing skips the waiters lock.
     waiting: AtomicUsize,
     offline: Option<OfflineHook>,
+    /// Receipts of large conversations, coalesced per (conversation, reader) until the next
+    /// flush: the newest position, who to tell, and the device not to tell.
+    pending_receipts: Mutex<HashMap<(ConversationId, UserId), PendingReceipt>>,
 }
+
+struct PendingReceipt {
+    last_read_seq: u64,
+    to: Vec<UserId>,
+    except_device: Option<DeviceId>,
+}
+
+/// Receipts of conversations with more members than this are coalesced.
+pub const RECEIPT_DIRECT_MAX_MEMBERS: usize = 64;
+/// How often coalesced receipts go out.
+pub const RECEIPT_FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl Default for Hub {
     fn default() -> Self {
@@ -103,6 +117,7 @@ impl Default for Hub {
             waiters: Mutex::new(HashMap::new()),
             waiting: AtomicUsize::new(0),
             offline: None,
+            pending_receipts: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -235,20 +250,20 @@ impl Hub {
                     }
                     metrics::counter!("pigeon_messages_pushed_total").increment(1);
                 }
-                Event::Receipt {
-                    conversation,
-                    user,
-                    last_read_seq,
-                    to,
-                    except_device,
-                } => {
-                    let frame = ServerFrame::Receipt {
-                        conversation_id: conversation,
-                        user_id: user,
-                        last_read_seq,
+                Event::Receipt { conversation, user, last_read_seq, to, except_device } => {
+                    if to.len() <= RECEIPT_DIRECT_MAX_MEMBERS {
+                        self.send_receipt(conversation, user, last_read_seq, &to, except_device.as_ref());
+                    } else {
+                        let mut pending = self.pending_receipts.lock().expect("receipts lock");
+                        let entry = pending.entry((conversation, user)).or_insert(PendingReceipt {
+                            last_read_seq,
+                            to: Vec::new(),
+                            except_device: None,
+                        });
+                        entry.last_read_seq = entry.last_read_seq.max(last_read_seq);
+                        entry.to = to;
+                        entry.except_device = except_device;
                     }
-                    .to_json();
-                    self.send_to_users(&to, &frame, except_device.as_ref().map(|d| (user, d)));
                 }
                 Event::SettingsChanged {
                     user,
@@ -278,6 +293,20 @@ impl Hub {
                 }
                 Event::InboxAdvanced { user, .. } => self.wake(user),
             }
+        }
+    }
+
+    fn send_receipt(&self, conversation: ConversationId, user: UserId, last_read_seq: u64, to: &[UserId], except: Option<&DeviceId>) {
+        let frame = ServerFrame::Receipt { conversation_id: conversation, user_id: user, last_read_seq }.to_json();
+        self.send_to_users(to, &frame, except.map(|d| (user, d)));
+    }
+
+    /// Sends the coalesced receipts of large conversations (called every
+    /// [`RECEIPT_FLUSH_EVERY`]).
+    pub fn flush_receipts(&self) {
+        let pending = std::mem::take(&mut *self.pending_receipts.lock().expect("receipts lock"));
+        for ((conversation, user), p) in pending {
+            self.send_receipt(conversation, user, p.last_read_seq, &p.to, p.except_device.as_ref());
         }
     }
 

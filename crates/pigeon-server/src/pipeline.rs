@@ -11,6 +11,7 @@ use pigeon_core::error::DomainError;
 use pigeon_core::store::Store;
 use pigeon_proto::frames::ServerFrame;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
@@ -49,6 +50,52 @@ struct Envelope {
 #[derive(Clone)]
 pub struct Pipeline {
     tx: mpsc::Sender<Envelope>,
+    stats: Arc<PipelineStats>,
+}
+
+/// Counts of what the pipeline committed since start: what tests and operators use to see
+/// that writes grow with the work asked for (not, say, with members × messages).
+#[derive(Debug, Default)]
+pub struct PipelineStats {
+    pub batches: AtomicU64,
+    pub commands: AtomicU64,
+    pub messages: AtomicU64,
+    pub inbox_rows: AtomicU64,
+    pub member_rows: AtomicU64,
+    pub conversation_rows: AtomicU64,
+}
+
+/// The sizes of one batch's changes, taken before they move into the commit.
+struct BatchCounts {
+    messages: u64,
+    inbox: u64,
+    members: u64,
+    conversations: u64,
+}
+
+impl BatchCounts {
+    fn of(ch: &Changes) -> Self {
+        BatchCounts {
+            messages: ch.messages.len() as u64,
+            inbox: ch.inbox.len() as u64,
+            members: ch.members.len() as u64,
+            conversations: ch.conversations.len() as u64,
+        }
+    }
+}
+
+impl PipelineStats {
+    fn record(&self, commands: usize, c: &BatchCounts) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.commands.fetch_add(commands as u64, Ordering::Relaxed);
+        self.messages.fetch_add(c.messages, Ordering::Relaxed);
+        self.inbox_rows.fetch_add(c.inbox, Ordering::Relaxed);
+        self.member_rows.fetch_add(c.members, Ordering::Relaxed);
+        self.conversation_rows.fetch_add(c.conversations, Ordering::Relaxed);
+        metrics::counter!("pigeon_messages_stored_total").increment(c.messages);
+        metrics::counter!("pigeon_inbox_rows_written_total").increment(c.inbox);
+        metrics::counter!("pigeon_member_rows_written_total").increment(c.members);
+    }
 }
 
 impl Pipeline {
@@ -61,8 +108,13 @@ impl Pipeline {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let (dtx, drx) = mpsc::channel(64);
         tokio::spawn(deliver(drx, hub));
-        let handle = tokio::spawn(run(store, engine, rx, dtx));
-        (Pipeline { tx }, handle)
+        let stats = Arc::new(PipelineStats::default());
+        let handle = tokio::spawn(run(store, engine, rx, dtx, stats.clone()));
+        (Pipeline { tx, stats }, handle)
+    }
+
+    pub fn stats(&self) -> &PipelineStats {
+        &self.stats
     }
 
     /// Submits and waits for the answer.
@@ -92,6 +144,7 @@ async fn run(
     mut engine: Engine,
     mut rx: mpsc::Receiver<Envelope>,
     delivery: mpsc::Sender<Delivery>,
+    stats: Arc<PipelineStats>,
 ) {
     let mut batch: Vec<Envelope> = Vec::with_capacity(MAX_BATCH);
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
@@ -113,7 +166,7 @@ async fn run(
             .map(|cmd| engine.apply(cmd, now, &mut changes, &mut events))
             .collect();
         engine.seal(&mut changes);
-        let messages = changes.messages.len();
+        let counts = BatchCounts::of(&changes);
         let committed = if changes.is_empty() {
             Ok(())
         } else {
@@ -128,7 +181,7 @@ async fn run(
         engine.finish_batch();
         metrics::histogram!("pigeon_batch_size").record(n as f64);
         metrics::histogram!("pigeon_commit_seconds").record(started.elapsed().as_secs_f64());
-        metrics::counter!("pigeon_messages_stored_total").increment(messages as u64);
+        stats.record(n, &counts);
         let mut conn_replies = Vec::new();
         for (reply, result) in replies.into_iter().zip(results) {
             match reply {

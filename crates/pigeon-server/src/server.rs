@@ -124,6 +124,16 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         shutdown,
     });
     let router = crate::api::router(app.clone());
+    let (hub, mut stop_receipts) = (app.hub.clone(), app.shutdown.subscribe());
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(crate::hub::RECEIPT_FLUSH_EVERY);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => hub.flush_receipts(),
+                _ = stop_receipts.wait_for(|s| *s) => break,
+            }
+        }
+    });
     let mut stop = app.shutdown.subscribe();
     let serve = tokio::spawn(async move {
         let graceful = async move {

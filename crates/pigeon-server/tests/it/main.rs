@@ -8,6 +8,7 @@ mod delivery;
 mod errors;
 mod groups;
 mod history;
+mod large_groups;
 mod message_ops;
 mod offline_hook;
 mod proxy;
