@@ -32,6 +32,7 @@ pub struct App {
     pub draining: AtomicBool,
     /// Flips to true when shutdown begins; every connection task watches it.
     pub shutdown: tokio::sync::watch::Sender<bool>,
+    pub rooms: Arc<crate::rooms::Rooms>,
 }
 
 pub type AppRef = Arc<App>;

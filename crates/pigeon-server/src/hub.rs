@@ -129,6 +129,13 @@ pub struct Registration {
     id: u64,
 }
 
+impl Registration {
+    /// This connection's id, unique on this node.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
 impl Drop for Registration {
     fn drop(&mut self) {
         let mut shard = self.hub.shard(self.user).write().expect("hub shard lock");

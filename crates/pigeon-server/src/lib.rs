@@ -10,6 +10,7 @@ pub mod error;
 pub mod hub;
 pub mod openapi;
 pub mod pipeline;
+pub mod rooms;
 pub mod server;
 pub mod webhook;
 pub mod ws;

@@ -122,8 +122,10 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         metrics: metrics_handle(),
         draining: AtomicBool::new(false),
         shutdown,
+        rooms: Arc::new(crate::rooms::Rooms::default()),
     });
     let router = crate::api::router(app.clone());
+    tokio::spawn(crate::rooms::run_flusher(app.rooms.clone(), app.shutdown.subscribe()));
     let (hub, mut stop_receipts) = (app.hub.clone(), app.shutdown.subscribe());
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(crate::hub::RECEIPT_FLUSH_EVERY);

@@ -125,11 +125,14 @@ struct Connection {
     bad_frames: u32,
     bad_window_start: Instant,
     typing_last: HashMap<ConversationId, Instant>,
+    conn_id: u64,
+    /// The live room this connection watches (at most one).
+    room: Option<String>,
 }
 
 async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
     let (outbox, mut out_rx) = Outbox::new();
-    let _registration = app.hub.register(user, device.clone(), outbox.clone());
+    let registration = app.hub.register(user, device.clone(), outbox.clone());
     let mut shutdown = app.shutdown.subscribe();
     let (mut sink, mut stream) = socket.split();
     let now = Instant::now();
@@ -146,6 +149,8 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
         bad_frames: 0,
         bad_window_start: now,
         typing_last: HashMap::new(),
+        conn_id: registration.id(),
+        room: None,
     };
     let head = match app.store.inbox_head(user).await {
         Ok(h) => h,
@@ -270,7 +275,11 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
     if let Stop::Close(code, reason) = stop {
         let _ = sink.send(close(code, reason)).await;
     }
+    if let Some(room) = conn.room.take() {
+        app.rooms.leave(&room, conn.conn_id);
+    }
     conn.flush_cursors(true).await;
+    drop(registration);
 }
 
 fn close(code: u16, reason: &'static str) -> WsMessage {
@@ -470,11 +479,31 @@ impl Connection {
                 }
                 .to_json(),
             ]),
-            ClientFrame::RoomJoin(_) | ClientFrame::RoomLeave(_) | ClientFrame::RoomSend(_) => {
-                Err(ApiError::new(
-                    ErrorCode::Unavailable,
-                    "live rooms are not enabled on this server",
-                ))
+            ClientFrame::RoomJoin(r) => {
+                if let Some(old) = self.room.take() {
+                    app.rooms.leave(&old, self.conn_id);
+                }
+                app.rooms.join(&r.room_id, self.conn_id, self.outbox.clone()).map_err(|_| ApiError::not_found("room"))?;
+                self.room = Some(r.room_id);
+                Ok(Vec::new())
+            }
+            ClientFrame::RoomLeave(r) => {
+                if self.room.as_deref() == Some(r.room_id.as_str()) {
+                    app.rooms.leave(&r.room_id, self.conn_id);
+                    self.room = None;
+                }
+                Ok(Vec::new())
+            }
+            ClientFrame::RoomSend(r) => {
+                if r.content.is_empty() || r.content.len() > crate::rooms::MAX_ROOM_CONTENT {
+                    return Err(ApiError::invalid(format!("room content must be 1..={} bytes", crate::rooms::MAX_ROOM_CONTENT)));
+                }
+                let message = crate::rooms::room_message(self.user, r.content, now_ms());
+                app.rooms.send(&r.room_id, self.conn_id, message).map_err(|e| match e {
+                    crate::rooms::RoomError::NotJoined => ApiError::new(ErrorCode::NotMember, "join the room before sending to it"),
+                    _ => ApiError::not_found("room"),
+                })?;
+                Ok(Vec::new())
             }
         }
     }

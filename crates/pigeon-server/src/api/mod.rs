@@ -6,6 +6,7 @@ mod conversations;
 mod groups;
 mod messages;
 mod ops;
+mod rooms;
 
 use crate::app::AppRef;
 use crate::auth::bearer;
@@ -36,6 +37,9 @@ pub fn router(app: AppRef) -> Router {
             "/v1/admin/messages/{msg_id}",
             get(admin::get_message).delete(admin::delete_message),
         )
+        .route("/v1/admin/rooms", post(rooms::create))
+        .route("/v1/admin/rooms/{id}", axum::routing::delete(rooms::close))
+        .route("/v1/rooms/{id}", get(rooms::info))
         .route("/v1/messages", post(messages::send))
         .route("/v1/messages/{msg_id}/recall", post(messages::recall))
         .route(

@@ -13,6 +13,7 @@ mod message_ops;
 mod offline_hook;
 mod proxy;
 mod reads;
+mod rooms;
 mod sdk;
 
 use pigeon_client::{Http, WsConn};
