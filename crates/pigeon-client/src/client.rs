@@ -552,12 +552,13 @@ impl Engine {
             }
             "send_ack" => {
                 if let Some(req) = f["req"].as_i64()
-                    && let Some((id, p)) = self.sends.remove(&req) {
-                        self.send_ids.remove(&id);
-                        let ack = serde_json::from_value::<SendAck>(f.clone())
-                            .map_err(|e| ClientError::Decode(e.to_string()));
-                        let _ = p.reply.send(ack);
-                    }
+                    && let Some((id, p)) = self.sends.remove(&req)
+                {
+                    self.send_ids.remove(&id);
+                    let ack = serde_json::from_value::<SendAck>(f.clone())
+                        .map_err(|e| ClientError::Decode(e.to_string()));
+                    let _ = p.reply.send(ack);
+                }
             }
             "sync_result" => {
                 if self
@@ -577,14 +578,13 @@ impl Engine {
                     Some("unavailable" | "rate_limited" | "internal")
                 );
                 if let (Some(req), Some(body)) = (req, body) {
-                    if !retryable
-                        && let Some((id, p)) = self.sends.remove(&req) {
-                            self.send_ids.remove(&id);
-                            let _ = p.reply.send(Err(ClientError::Api {
-                                status: body.code.http_status(),
-                                body,
-                            }));
-                        }
+                    if !retryable && let Some((id, p)) = self.sends.remove(&req) {
+                        self.send_ids.remove(&id);
+                        let _ = p.reply.send(Err(ClientError::Api {
+                            status: body.code.http_status(),
+                            body,
+                        }));
+                    }
                     if let Some(of) = self.pulls.remove(&req) {
                         match of {
                             PullOf::Inbox => self.inbox_pull_in_flight = None,

@@ -33,6 +33,7 @@ pub struct App {
     /// Flips to true when shutdown begins; every connection task watches it.
     pub shutdown: tokio::sync::watch::Sender<bool>,
     pub rooms: Arc<crate::rooms::Rooms>,
+    pub limits: crate::limits::RateLimits,
 }
 
 pub type AppRef = Arc<App>;
@@ -83,12 +84,20 @@ impl App {
     }
 
     /// The seqs of `conv` the caller may read.
+    /// A former member asking for anything after the message that removed them (`from`
+    /// beyond it) answers `not_member`: the removal is the last thing they can read.
     pub async fn readable_range(
         &self,
         user: UserId,
         conv: &ConversationId,
+        from: Option<u64>,
     ) -> ApiResult<(u64, u64)> {
         let m = self.membership(user, conv).await?;
+        if let (Some(left), Some(from)) = (m.left_seq, from) {
+            if from > left {
+                return Err(ApiError::not_member());
+            }
+        }
         Ok(visible_range(m.joined_seq, m.left_seq, m.conversation_seq))
     }
 
@@ -98,7 +107,11 @@ impl App {
         conv: &ConversationId,
         q: HistoryQuery,
     ) -> ApiResult<(Vec<Message>, bool)> {
-        let range = self.readable_range(user, conv).await?;
+        let from = match q.anchor {
+            pigeon_core::store::HistoryAnchor::After(a) => Some(a.saturating_add(1)),
+            _ => None,
+        };
+        let range = self.readable_range(user, conv, from).await?;
         Ok(self.store.history(conv, user, range, q).await?)
     }
 
@@ -178,7 +191,7 @@ impl App {
                     .conversation_id
                     .as_ref()
                     .ok_or_else(|| ApiError::invalid("chain conversation needs conversation_id"))?;
-                let (lo, hi) = self.readable_range(user, conv).await?;
+                let (lo, hi) = self.readable_range(user, conv, f.from).await?;
                 let from = match f.from {
                     Some(v) => v,
                     None => {

@@ -59,6 +59,9 @@ pub struct ServeArgs {
     /// Longest token lifetime the admin API mints, in seconds [default: 2592000]
     #[arg(long, env = "PIGEON_MAX_TOKEN_TTL_SECS")]
     pub max_token_ttl_secs: Option<u64>,
+    /// Sends one user may make per second, over all their devices; 0 turns the limit off [default: 100]
+    #[arg(long, env = "PIGEON_SEND_RATE_PER_SEC")]
+    pub send_rate_per_sec: Option<u32>,
     /// URL that gets a JSON POST for messages reaching users with no connected device
     #[arg(long, env = "PIGEON_OFFLINE_WEBHOOK_URL")]
     pub offline_webhook_url: Option<String>,
@@ -94,6 +97,8 @@ struct FileConfig {
     max_connections: Option<usize>,
     #[serde(alias = "max-token-ttl-secs")]
     max_token_ttl_secs: Option<u64>,
+    #[serde(alias = "send-rate-per-sec")]
+    send_rate_per_sec: Option<u32>,
     #[serde(alias = "offline-webhook-url")]
     offline_webhook_url: Option<String>,
     #[serde(alias = "offline-webhook-timeout-ms")]
@@ -117,6 +122,7 @@ pub struct Config {
     pub max_token_ttl_secs: u64,
     pub offline_webhook_url: Option<String>,
     pub offline_webhook_timeout_ms: u64,
+    pub send_rate_per_sec: u32,
 }
 
 impl Default for Config {
@@ -136,6 +142,7 @@ impl Default for Config {
             max_token_ttl_secs: 30 * 86_400,
             offline_webhook_url: None,
             offline_webhook_timeout_ms: 2_000,
+            send_rate_per_sec: 100,
         }
     }
 }
@@ -223,6 +230,10 @@ impl Config {
                 .offline_webhook_timeout_ms
                 .or(file.offline_webhook_timeout_ms)
                 .unwrap_or(d.offline_webhook_timeout_ms),
+            send_rate_per_sec: args
+                .send_rate_per_sec
+                .or(file.send_rate_per_sec)
+                .unwrap_or(d.send_rate_per_sec),
         };
         cfg.check()?;
         Ok(cfg)
@@ -245,9 +256,10 @@ impl Config {
             return invalid("heartbeat-ms must be at least 100");
         }
         if let Some(url) = &self.offline_webhook_url
-            && !(url.starts_with("http://") || url.starts_with("https://")) {
-                return invalid("offline-webhook-url must be an http:// or https:// URL");
-            }
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return invalid("offline-webhook-url must be an http:// or https:// URL");
+        }
         if self.max_connections == 0 {
             return invalid("max-connections must be at least 1");
         }

@@ -251,22 +251,39 @@ impl Hub {
                             })
                         });
                         if let Some(hook) = notify_offline
-                            && !online && !r.muted && r.user != message.sender {
-                                hook.notify(Notice::of(&message, r.user));
-                            }
+                            && !online
+                            && !r.muted
+                            && r.user != message.sender
+                        {
+                            hook.notify(Notice::of(&message, r.user));
+                        }
                     }
                     metrics::counter!("pigeon_messages_pushed_total").increment(1);
                 }
-                Event::Receipt { conversation, user, last_read_seq, to, except_device } => {
+                Event::Receipt {
+                    conversation,
+                    user,
+                    last_read_seq,
+                    to,
+                    except_device,
+                } => {
                     if to.len() <= RECEIPT_DIRECT_MAX_MEMBERS {
-                        self.send_receipt(conversation, user, last_read_seq, &to, except_device.as_ref());
+                        self.send_receipt(
+                            conversation,
+                            user,
+                            last_read_seq,
+                            &to,
+                            except_device.as_ref(),
+                        );
                     } else {
                         let mut pending = self.pending_receipts.lock().expect("receipts lock");
-                        let entry = pending.entry((conversation, user)).or_insert(PendingReceipt {
-                            last_read_seq,
-                            to: Vec::new(),
-                            except_device: None,
-                        });
+                        let entry = pending
+                            .entry((conversation, user))
+                            .or_insert(PendingReceipt {
+                                last_read_seq,
+                                to: Vec::new(),
+                                except_device: None,
+                            });
                         entry.last_read_seq = entry.last_read_seq.max(last_read_seq);
                         entry.to = to;
                         entry.except_device = except_device;
@@ -303,8 +320,20 @@ impl Hub {
         }
     }
 
-    fn send_receipt(&self, conversation: ConversationId, user: UserId, last_read_seq: u64, to: &[UserId], except: Option<&DeviceId>) {
-        let frame = ServerFrame::Receipt { conversation_id: conversation, user_id: user, last_read_seq }.to_json();
+    fn send_receipt(
+        &self,
+        conversation: ConversationId,
+        user: UserId,
+        last_read_seq: u64,
+        to: &[UserId],
+        except: Option<&DeviceId>,
+    ) {
+        let frame = ServerFrame::Receipt {
+            conversation_id: conversation,
+            user_id: user,
+            last_read_seq,
+        }
+        .to_json();
         self.send_to_users(to, &frame, except.map(|d| (user, d)));
     }
 
@@ -313,7 +342,13 @@ impl Hub {
     pub fn flush_receipts(&self) {
         let pending = std::mem::take(&mut *self.pending_receipts.lock().expect("receipts lock"));
         for ((conversation, user), p) in pending {
-            self.send_receipt(conversation, user, p.last_read_seq, &p.to, p.except_device.as_ref());
+            self.send_receipt(
+                conversation,
+                user,
+                p.last_read_seq,
+                &p.to,
+                p.except_device.as_ref(),
+            );
         }
     }
 

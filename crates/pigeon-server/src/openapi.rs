@@ -64,8 +64,18 @@ pub const ENDPOINTS: &[(&str, &str, Caller, &str)] = &[
         "delete a message for everyone",
     ),
     ("post", "/v1/admin/rooms", Caller::Admin, "open a live room"),
-    ("delete", "/v1/admin/rooms/{id}", Caller::Admin, "close a live room"),
-    ("get", "/v1/rooms/{id}", Caller::User, "a live room's viewers and recent messages"),
+    (
+        "delete",
+        "/v1/admin/rooms/{id}",
+        Caller::Admin,
+        "close a live room",
+    ),
+    (
+        "get",
+        "/v1/rooms/{id}",
+        Caller::User,
+        "a live room's viewers and recent messages",
+    ),
     ("post", "/v1/messages", Caller::User, "send a message"),
     (
         "post",

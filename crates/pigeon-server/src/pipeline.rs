@@ -91,7 +91,8 @@ impl PipelineStats {
         self.messages.fetch_add(c.messages, Ordering::Relaxed);
         self.inbox_rows.fetch_add(c.inbox, Ordering::Relaxed);
         self.member_rows.fetch_add(c.members, Ordering::Relaxed);
-        self.conversation_rows.fetch_add(c.conversations, Ordering::Relaxed);
+        self.conversation_rows
+            .fetch_add(c.conversations, Ordering::Relaxed);
         metrics::counter!("pigeon_messages_stored_total").increment(c.messages);
         metrics::counter!("pigeon_inbox_rows_written_total").increment(c.inbox);
         metrics::counter!("pigeon_member_rows_written_total").increment(c.members);

@@ -55,7 +55,12 @@ impl Rooms {
 
     /// Closes a room; its viewers are told with a `room_closed` frame (an extension).
     pub fn close(&self, id: &str) -> Result<(), RoomError> {
-        let room = self.rooms.lock().expect("rooms lock").remove(id).ok_or(RoomError::NotFound)?;
+        let room = self
+            .rooms
+            .lock()
+            .expect("rooms lock")
+            .remove(id)
+            .ok_or(RoomError::NotFound)?;
         let frame = serde_json::json!({"type": "room_closed", "room_id": id}).to_string();
         for outbox in room.viewers.values() {
             outbox.send(Outgoing::Frame(frame.clone()));
@@ -94,7 +99,9 @@ impl Rooms {
     /// `(viewers, recent)` of a room.
     pub fn info(&self, id: &str) -> Option<(usize, Vec<RoomMessage>)> {
         let rooms = self.rooms.lock().expect("rooms lock");
-        rooms.get(id).map(|r| (r.viewers.len(), r.recent.iter().cloned().collect()))
+        rooms
+            .get(id)
+            .map(|r| (r.viewers.len(), r.recent.iter().cloned().collect()))
     }
 
     /// Sends what every room gathered since the last flush.
@@ -128,7 +135,11 @@ impl Rooms {
 
 /// The sender and content of a room message, stamped now.
 pub fn room_message(sender: UserId, content: String, at: i64) -> RoomMessage {
-    RoomMessage { sender, content, at }
+    RoomMessage {
+        sender,
+        content,
+        at,
+    }
 }
 
 /// Runs the flusher until `stop` flips.

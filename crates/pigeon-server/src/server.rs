@@ -112,6 +112,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         source,
     })?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
+    let send_rate = cfg.send_rate_per_sec;
     let app = Arc::new(App {
         cfg,
         store,
@@ -123,15 +124,27 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         draining: AtomicBool::new(false),
         shutdown,
         rooms: Arc::new(crate::rooms::Rooms::default()),
+        limits: crate::limits::RateLimits::new(send_rate),
     });
     let router = crate::api::router(app.clone());
-    tokio::spawn(crate::rooms::run_flusher(app.rooms.clone(), app.shutdown.subscribe()));
+    tokio::spawn(crate::rooms::run_flusher(
+        app.rooms.clone(),
+        app.shutdown.subscribe(),
+    ));
     let (hub, mut stop_receipts) = (app.hub.clone(), app.shutdown.subscribe());
+    let limits_app = app.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(crate::hub::RECEIPT_FLUSH_EVERY);
+        let mut ticks = 0u64;
         loop {
             tokio::select! {
-                _ = tick.tick() => hub.flush_receipts(),
+                _ = tick.tick() => {
+                    hub.flush_receipts();
+                    ticks += 1;
+                    if ticks % 240 == 0 {
+                        limits_app.limits.forget_idle();
+                    }
+                }
                 _ = stop_receipts.wait_for(|s| *s) => break,
             }
         }

@@ -405,6 +405,7 @@ impl Connection {
         match frame {
             ClientFrame::Send(s) => {
                 let cmd = validate_send(self.user, s, app.limits())?;
+                app.limits.check_send(self.user)?;
                 let reply = ReplyTo::Connection {
                     outbox: self.outbox.clone(),
                     req,
@@ -483,7 +484,9 @@ impl Connection {
                 if let Some(old) = self.room.take() {
                     app.rooms.leave(&old, self.conn_id);
                 }
-                app.rooms.join(&r.room_id, self.conn_id, self.outbox.clone()).map_err(|_| ApiError::not_found("room"))?;
+                app.rooms
+                    .join(&r.room_id, self.conn_id, self.outbox.clone())
+                    .map_err(|_| ApiError::not_found("room"))?;
                 self.room = Some(r.room_id);
                 Ok(Vec::new())
             }
@@ -496,13 +499,21 @@ impl Connection {
             }
             ClientFrame::RoomSend(r) => {
                 if r.content.is_empty() || r.content.len() > crate::rooms::MAX_ROOM_CONTENT {
-                    return Err(ApiError::invalid(format!("room content must be 1..={} bytes", crate::rooms::MAX_ROOM_CONTENT)));
+                    return Err(ApiError::invalid(format!(
+                        "room content must be 1..={} bytes",
+                        crate::rooms::MAX_ROOM_CONTENT
+                    )));
                 }
                 let message = crate::rooms::room_message(self.user, r.content, now_ms());
-                app.rooms.send(&r.room_id, self.conn_id, message).map_err(|e| match e {
-                    crate::rooms::RoomError::NotJoined => ApiError::new(ErrorCode::NotMember, "join the room before sending to it"),
-                    _ => ApiError::not_found("room"),
-                })?;
+                app.rooms
+                    .send(&r.room_id, self.conn_id, message)
+                    .map_err(|e| match e {
+                        crate::rooms::RoomError::NotJoined => ApiError::new(
+                            ErrorCode::NotMember,
+                            "join the room before sending to it",
+                        ),
+                        _ => ApiError::not_found("room"),
+                    })?;
                 Ok(Vec::new())
             }
         }

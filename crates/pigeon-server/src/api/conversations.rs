@@ -153,7 +153,7 @@ pub async fn range(
             "a range holds at most {RANGE_MAX} messages"
         )));
     }
-    let (lo, hi) = app.readable_range(me, &conv).await?;
+    let (lo, hi) = app.readable_range(me, &conv, Some(q.from)).await?;
     let (from, to) = (q.from.max(lo), q.to.min(hi));
     let messages = if from > to {
         Vec::new()
@@ -211,7 +211,7 @@ pub async fn receipts(
     ApiQuery(q): ApiQuery<ReceiptParams>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
-    let (lo, hi) = app.readable_range(me, &conv).await?;
+    let (lo, hi) = app.readable_range(me, &conv, Some(q.seq)).await?;
     if !(lo..=hi).contains(&q.seq) {
         return Err(ApiError::not_found("message"));
     }

@@ -18,6 +18,7 @@ pub async fn send(
     ApiJson(req): ApiJson<SendRequest>,
 ) -> ApiResult<Json<SendAck>> {
     let cmd = validate_send(me, req, app.limits())?;
+    app.limits.check_send(me)?;
     match app.pipeline.call(Command::Send(cmd)).await? {
         Reply::SendAck(ack) => Ok(Json(ack)),
         other => {

@@ -17,12 +17,27 @@ pub async fn create(_: Admin, State(app): State<AppRef>) -> ApiResult<Json<Value
     }
 }
 
-pub async fn close(_: Admin, State(app): State<AppRef>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    app.rooms.close(&id).map_err(|_: RoomError| ApiError::not_found("room"))?;
+pub async fn close(
+    _: Admin,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    app.rooms
+        .close(&id)
+        .map_err(|_: RoomError| ApiError::not_found("room"))?;
     Ok(empty())
 }
 
-pub async fn info(_: AuthUser, State(app): State<AppRef>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    let (viewers, recent) = app.rooms.info(&id).ok_or_else(|| ApiError::not_found("room"))?;
-    Ok(Json(json!({"room_id": id, "viewers": viewers, "recent": recent})))
+pub async fn info(
+    _: AuthUser,
+    State(app): State<AppRef>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let (viewers, recent) = app
+        .rooms
+        .info(&id)
+        .ok_or_else(|| ApiError::not_found("room"))?;
+    Ok(Json(
+        json!({"room_id": id, "viewers": viewers, "recent": recent}),
+    ))
 }

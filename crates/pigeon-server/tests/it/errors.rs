@@ -231,3 +231,41 @@ async fn reading_someone_elses_conversation_reveals_nothing() {
     .await;
     assert_eq!(r["code"], "not_member");
 }
+
+#[tokio::test]
+async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
+    let s = spawn_with(|c| c.send_rate_per_sec = 5).await;
+    let alice = s.user(1).await;
+    let _ = s.user(2).await;
+    let mut limited = None;
+    for i in 0..30 {
+        let (status, body) = alice
+            .raw(
+                reqwest::Method::POST,
+                "/v1/messages",
+                Some(&text_to_user(&format!("r{i}"), 2, "x")),
+            )
+            .await
+            .unwrap();
+        if status == 429 {
+            limited = Some(body);
+            break;
+        }
+        assert_eq!(status, 200);
+    }
+    let body = limited.expect("a burst of 30 is over a limit of 5/s");
+    assert_eq!(body["code"], "rate_limited");
+    assert!(body["retry_after_ms"].as_u64().unwrap() >= 1);
+    // The WebSocket path shares the user's allowance.
+    let t = s.token(1).await;
+    let mut ws = s.ws(&t, "d").await;
+    let e = request(&mut ws, send_frame(text_to_user("ws-1", 2, "x")), 1).await;
+    assert_eq!(e["code"], "rate_limited");
+    assert!(e["retry_after_ms"].is_u64());
+    tokio::time::sleep(Duration::from_millis(
+        e["retry_after_ms"].as_u64().unwrap() + 50,
+    ))
+    .await;
+    let ack = request(&mut ws, send_frame(text_to_user("ws-2", 2, "x")), 2).await;
+    assert_eq!(ack["type"], "send_ack", "allowed again after the hint");
+}

@@ -1026,3 +1026,73 @@ async fn removal_is_the_last_push_in_a_read_fanout_group_too() {
     let cv = erin.get(&format!("/v1/conversations/{id}")).await.unwrap();
     assert_eq!(cv["unread"], 0, "{cv}");
 }
+
+#[tokio::test]
+async fn history_after_the_removal_answers_not_member() {
+    let s = spawn_server().await;
+    let owner = s.user(1).await;
+    let bob = s.user(2).await;
+    let _ = s.user(3).await;
+    let g = owner
+        .post("/v1/groups", &json!({"name": "g", "members": [2, 3]}))
+        .await
+        .unwrap();
+    let gid = g["conversation_id"].as_str().unwrap().to_owned();
+    owner
+        .post("/v1/messages", &text_to_conv("k1", &gid, "before"))
+        .await
+        .unwrap();
+    let kick = reqwest::Client::new()
+        .delete(format!("{}/v1/groups/{gid}/members/2", s.base))
+        .bearer_auth(s.token(1).await)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(kick.status(), 200);
+    owner
+        .post("/v1/messages", &text_to_conv("k2", &gid, "after"))
+        .await
+        .unwrap();
+    // Up to the removal (seq 3) stays readable; anything after it is not theirs.
+    let page = bob
+        .get(&format!("/v1/conversations/{gid}/messages"))
+        .await
+        .unwrap();
+    let seqs: Vec<u64> = page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["seq"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seqs, vec![1, 2, 3]);
+    assert_eq!(
+        code_of(
+            bob.get(&format!("/v1/conversations/{gid}/messages?after=3"))
+                .await
+        ),
+        "not_member"
+    );
+    assert_eq!(
+        code_of(
+            bob.get(&format!(
+                "/v1/conversations/{gid}/messages/range?from=4&to=4"
+            ))
+            .await
+        ),
+        "not_member"
+    );
+    assert_eq!(
+        code_of(
+            bob.get(&format!("/v1/conversations/{gid}/receipts?seq=4"))
+                .await
+        ),
+        "not_member"
+    );
+    let r = bob
+        .get(&format!(
+            "/v1/conversations/{gid}/messages/range?from=1&to=4"
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r["messages"].as_array().unwrap().len(), 3);
+}

@@ -69,6 +69,8 @@ pub fn test_config(dir: &TempDir) -> Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         data_dir: dir.0.clone(),
         admin_key: Some(ADMIN_KEY.into()),
+        // Tests send in bursts; the rate limit has its own test.
+        send_rate_per_sec: 0,
         ..Config::default()
     }
 }

@@ -132,9 +132,10 @@ async fn relay(
                 return;
             }
             if let Some(h) = held.take()
-                && c_tx.send(h).await.is_err() {
-                    return;
-                }
+                && c_tx.send(h).await.is_err()
+            {
+                return;
+            }
         }
     };
     let up = async move {

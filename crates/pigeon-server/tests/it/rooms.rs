@@ -6,22 +6,38 @@ use serde_json::json;
 #[tokio::test]
 async fn viewers_receive_batches_and_a_user_watches_one_room_at_a_time() {
     let s = spawn_server().await;
-    let r1 = s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"].as_str().unwrap().to_owned();
-    let r2 = s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"].as_str().unwrap().to_owned();
+    let r1 = s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let r2 = s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     assert!(r1.starts_with('r') && r1 != r2);
     let (ta, tb) = (s.token(1).await, s.token(2).await);
     let mut a = s.ws(&ta, "a").await;
     let mut b = s.ws(&tb, "b").await;
-    a.send(&json!({"type": "room_join", "room_id": r1})).await.unwrap();
-    b.send(&json!({"type": "room_join", "room_id": r1})).await.unwrap();
+    a.send(&json!({"type": "room_join", "room_id": r1}))
+        .await
+        .unwrap();
+    b.send(&json!({"type": "room_join", "room_id": r1}))
+        .await
+        .unwrap();
     let _ = request(&mut b, json!({"type": "ping"}), 1).await; // the join is handled
     let _ = request(&mut a, json!({"type": "ping"}), 1).await;
     for i in 0..5 {
-        a.send(&json!({"type": "room_send", "room_id": r1, "content": format!("66{i}")})).await.unwrap();
+        a.send(&json!({"type": "room_send", "room_id": r1, "content": format!("66{i}")}))
+            .await
+            .unwrap();
     }
     let mut got = Vec::new();
     while got.len() < 5 {
-        let f = b.recv_until(WAIT, |v| v["type"] == "room_msgs").await.unwrap().expect("a batch");
+        let f = b
+            .recv_until(WAIT, |v| v["type"] == "room_msgs")
+            .await
+            .unwrap()
+            .expect("a batch");
         assert_eq!(f["room_id"], r1.as_str());
         for m in f["messages"].as_array().unwrap() {
             assert_eq!(m["sender"], 1);
@@ -30,22 +46,59 @@ async fn viewers_receive_batches_and_a_user_watches_one_room_at_a_time() {
         }
     }
     assert_eq!(got, vec!["660", "661", "662", "663", "664"]);
-    let info = s.user(3).await.get(&format!("/v1/rooms/{r1}")).await.unwrap();
+    let info = s
+        .user(3)
+        .await
+        .get(&format!("/v1/rooms/{r1}"))
+        .await
+        .unwrap();
     assert_eq!(info["viewers"], 2);
     assert_eq!(info["recent"].as_array().unwrap().len(), 5);
     // Joining another room leaves the first.
-    b.send(&json!({"type": "room_join", "room_id": r2})).await.unwrap();
+    b.send(&json!({"type": "room_join", "room_id": r2}))
+        .await
+        .unwrap();
     let _ = request(&mut b, json!({"type": "ping"}), 2).await;
-    assert_eq!(s.user(3).await.get(&format!("/v1/rooms/{r1}")).await.unwrap()["viewers"], 1);
-    a.send(&json!({"type": "room_send", "room_id": r1, "content": "only a"})).await.unwrap();
-    assert!(b.recv_until(Duration::from_millis(400), |v| v["type"] == "room_msgs").await.unwrap().is_none());
+    assert_eq!(
+        s.user(3)
+            .await
+            .get(&format!("/v1/rooms/{r1}"))
+            .await
+            .unwrap()["viewers"],
+        1
+    );
+    a.send(&json!({"type": "room_send", "room_id": r1, "content": "only a"}))
+        .await
+        .unwrap();
+    assert!(
+        b.recv_until(Duration::from_millis(400), |v| v["type"] == "room_msgs")
+            .await
+            .unwrap()
+            .is_none()
+    );
     // Sending to a room one is not in, or to no room, is refused.
-    let e = request(&mut b, json!({"type": "room_send", "room_id": r1, "content": "x"}), 3).await;
+    let e = request(
+        &mut b,
+        json!({"type": "room_send", "room_id": r1, "content": "x"}),
+        3,
+    )
+    .await;
     assert_eq!(e["code"], "not_member");
     let e = request(&mut b, json!({"type": "room_join", "room_id": "r404"}), 4).await;
     assert_eq!(e["code"], "not_found");
     // Closing a room.
-    reqwest::Client::new().delete(format!("{}/v1/admin/rooms/{r2}", s.base)).bearer_auth(ADMIN_KEY).send().await.unwrap();
-    assert_eq!(code_of(s.user(3).await.get(&format!("/v1/rooms/{r2}")).await), "not_found");
-    assert_eq!(code_of(s.user(3).await.post("/v1/admin/rooms", &json!({})).await), "unauthorized");
+    reqwest::Client::new()
+        .delete(format!("{}/v1/admin/rooms/{r2}", s.base))
+        .bearer_auth(ADMIN_KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        code_of(s.user(3).await.get(&format!("/v1/rooms/{r2}")).await),
+        "not_found"
+    );
+    assert_eq!(
+        code_of(s.user(3).await.post("/v1/admin/rooms", &json!({})).await),
+        "unauthorized"
+    );
 }
