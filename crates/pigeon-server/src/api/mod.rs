@@ -25,6 +25,7 @@ pub const MAX_BODY_BYTES: usize = (1 << 20) + 64 * 1024;
 
 pub fn router(app: AppRef) -> Router {
     Router::new()
+        .route("/", get(ops::chat_page))
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
