@@ -13,6 +13,7 @@ pub enum Caller {
 
 /// (method, path, caller, summary) of every HTTP endpoint.
 pub const ENDPOINTS: &[(&str, &str, Caller, &str)] = &[
+    ("get", "/", Caller::Public, "the chat page (HTML)"),
     (
         "get",
         "/healthz",

@@ -10,7 +10,10 @@ use pigeon_proto::ErrorCode;
 /// The chat page, embedded in the binary (no build step, no external network).
 pub async fn chat_page() -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "text/html; charset=utf-8"), (header::CACHE_CONTROL, "no-cache")],
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
         include_str!("../../web/index.html"),
     )
 }
