@@ -228,3 +228,57 @@ async fn a_client_without_local_state_resumes_from_the_server_side_cursor() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(shown.lock().unwrap()["1-2"], vec![6, 7, 8]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_the_fanout_threshold_with_messages_in_flight() {
+    let s = spawn_with(|c| {
+        c.fanout_write_max_members = 4;
+        c.push_retry_ms = 300;
+    })
+    .await;
+    let mut tokens = HashMap::new();
+    for u in 1..=6u64 {
+        tokens.insert(u, s.token(u).await);
+    }
+    let owner = s.anon().with_bearer(tokens[&1].clone());
+    let g = owner.post("/v1/groups", &json!({"name": "edge", "members": [2, 3]})).await.unwrap()["conversation_id"].as_str().unwrap().to_owned();
+    // Members 1-3 stay throughout and watch through the SDK.
+    let mut watchers = Vec::new();
+    for u in 1..=3u64 {
+        watchers.push(start_client(sdk_config(&s.ws_base, &tokens[&u], &format!("w{u}"))));
+    }
+    let sender = {
+        let h = s.anon().with_bearer(tokens[&2].clone());
+        let g = g.clone();
+        tokio::spawn(async move {
+            for i in 0..150 {
+                h.post("/v1/messages", &text_to_conv(&format!("f{i}"), &g, &i.to_string())).await.unwrap();
+            }
+        })
+    };
+    // Meanwhile the group grows past the threshold and shrinks back, again and again.
+    let client = reqwest::Client::new();
+    for _ in 0..6 {
+        owner.post(&format!("/v1/groups/{g}/members"), &json!({"user_ids": [4, 5]})).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        for u in [4, 5] {
+            let r = client.delete(format!("{}/v1/groups/{g}/members/{u}", s.base)).bearer_auth(&tokens[&1]).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    sender.await.unwrap();
+    let head = head_of(&owner, &g).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while tokio::time::Instant::now() < deadline {
+        if watchers.iter().all(|(_, shown)| shown.lock().unwrap().get(&g).map_or(0, |v| v.len()) as u64 >= head) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for (i, (_, shown)) in watchers.iter().enumerate() {
+        let got = shown.lock().unwrap().get(&g).cloned().unwrap_or_default();
+        assert_eq!(got, (1..=head).collect::<Vec<_>>(), "watcher {} saw every seq once, in order", i + 1);
+    }
+}
