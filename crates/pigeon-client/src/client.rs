@@ -279,13 +279,22 @@ impl Engine {
         let mut backoff = self.cfg.backoff_min;
         loop {
             self.emit(Event::State(ConnectionState::Connecting));
-            let conn = tokio::select! {
-                c = WsConn::connect(&self.cfg.ws_base, &self.cfg.token, &self.cfg.device_id) => c,
-                cmd = cmds.recv() => {
-                    if !self.queue_while_offline(cmd) {
-                        return;
+            // Commands that arrive while connecting are queued; the attempt goes on.
+            let (base, token, device) = (
+                self.cfg.ws_base.clone(),
+                self.cfg.token.clone(),
+                self.cfg.device_id.clone(),
+            );
+            let connect = async move { WsConn::connect(&base, &token, &device).await };
+            tokio::pin!(connect);
+            let conn = loop {
+                tokio::select! {
+                    c = &mut connect => break c,
+                    cmd = cmds.recv() => {
+                        if !self.queue_while_offline(cmd) {
+                            return;
+                        }
                     }
-                    continue;
                 }
             };
             let mut ws = match conn {
