@@ -214,11 +214,148 @@ const ERROR_STATUSES: &[(&str, &str)] = &[
     ("503", "unavailable"),
 ];
 
+/// What a path parameter looks like. A single chat's id must also name its lower user id
+/// first, which a pattern cannot say: such ids are refused with `invalid_argument`.
+fn path_param_schema(name: &str) -> Value {
+    match name {
+        "msg_id" => json!({"type": "string", "pattern": "^[1-9][0-9]{0,17}$"}),
+        "uid" => json!({"type": "string", "pattern": "^[1-9][0-9]{0,14}$"}),
+        "id" => {
+            json!({"type": "string", "pattern": "^(g[1-9][0-9]{0,17}|r[0-9]{1,30}|[1-9][0-9]{0,14}-[1-9][0-9]{0,14})$"})
+        }
+        _ => json!({"type": "string"}),
+    }
+}
+
+/// The query parameters an endpoint reads.
+fn query_params(method: &str, path: &str) -> Vec<Value> {
+    let q = |name: &str, required: bool, schema: Value| json!({"name": name, "in": "query", "required": required, "schema": schema});
+    let int = |min: u64| json!({"type": "integer", "minimum": min});
+    match (method, path) {
+        ("get", "/v1/ws") => vec![
+            q(
+                "device_id",
+                true,
+                json!({"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}),
+            ),
+            q(
+                "platform",
+                false,
+                json!({"type": "string", "enum": ["ios", "android", "web", "desktop"]}),
+            ),
+            q("token", false, json!({"type": "string"})),
+        ],
+        ("get", "/v1/conversations") => vec![
+            q(
+                "limit",
+                false,
+                json!({"type": "integer", "minimum": 1, "description": "capped at 200"}),
+            ),
+            q("cursor", false, json!({"type": "string"})),
+        ],
+        ("get", "/v1/conversations/{id}/messages") => vec![
+            q(
+                "limit",
+                false,
+                json!({"type": "integer", "minimum": 1, "description": "capped at 100"}),
+            ),
+            q("before", false, int(0)),
+            q("after", false, int(0)),
+            q("from_time", false, json!({"type": "integer"})),
+            q("to_time", false, json!({"type": "integer"})),
+        ],
+        ("get", "/v1/conversations/{id}/messages/range") => {
+            vec![q("from", true, int(1)), q("to", true, int(1))]
+        }
+        ("get", "/v1/conversations/{id}/receipts") => vec![q("seq", true, int(0))],
+        ("get", "/v1/groups/{id}/members") => vec![
+            q("cursor", false, json!({"type": "string"})),
+            q(
+                "limit",
+                false,
+                json!({"type": "integer", "minimum": 1, "description": "capped at 1000"}),
+            ),
+        ],
+        ("get", "/v1/sync") => vec![
+            q("user_seq", false, int(0)),
+            q(
+                "limit",
+                false,
+                json!({"type": "integer", "minimum": 1, "description": "capped at 200"}),
+            ),
+            q(
+                "wait_ms",
+                false,
+                json!({"type": "integer", "minimum": 0, "maximum": 30000}),
+            ),
+        ],
+        _ => Vec::new(),
+    }
+}
+
+/// The body schema of the requests whose shape is worth spelling out (tools generate valid
+/// bodies from it); the others take any object.
+fn request_schema(method: &str, path: &str) -> Option<Value> {
+    let uid = json!({"type": "integer", "minimum": 1, "maximum": 9007199254740991u64});
+    let ids = json!({"type": "array", "items": uid});
+    Some(match (method, path) {
+        ("post", "/v1/admin/users") => json!({"type": "object", "required": ["user_id"],
+            "properties": {"user_id": uid, "name": {"type": "string"}, "avatar": {"type": "string"}}}),
+        ("post", "/v1/admin/tokens") => json!({"type": "object", "required": ["user_id"],
+            "properties": {"user_id": uid, "ttl_secs": {"type": "integer", "minimum": 1, "nullable": true}}}),
+        ("post", "/v1/messages") => {
+            json!({"type": "object", "required": ["client_msg_id", "to", "kind", "content"],
+            "properties": {
+                "client_msg_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "to": {"type": "object", "properties": {"user": uid, "conversation": {"type": "string"}}},
+                "kind": {"type": "string", "enum": ["text", "image", "voice", "video", "file", "custom"]},
+                "content": {"type": "string", "minLength": 1},
+                "extra": {},
+                "reply_to": {"type": "string"},
+                "mentions": ids
+            }})
+        }
+        ("patch", "/v1/messages/{msg_id}") => {
+            json!({"type": "object", "required": ["content"], "properties": {"content": {"type": "string", "minLength": 1}}})
+        }
+        ("post", "/v1/conversations/{id}/read") => {
+            json!({"type": "object", "required": ["seq"], "properties": {"seq": {"type": "integer", "minimum": 0}}})
+        }
+        ("put", "/v1/conversations/{id}/settings") => json!({"type": "object",
+            "properties": {"pinned": {"type": "boolean"}, "muted": {"type": "boolean"}, "hidden": {"type": "boolean"}}}),
+        ("post", "/v1/groups") => {
+            json!({"type": "object", "properties": {"name": {"type": "string"}, "members": ids}})
+        }
+        ("patch", "/v1/groups/{id}") => json!({"type": "object",
+            "properties": {"name": {"type": "string"}, "notice": {"type": "string"}, "avatar": {"type": "string"}}}),
+        ("post", "/v1/groups/{id}/members") => {
+            json!({"type": "object", "required": ["user_ids"], "properties": {"user_ids": {"type": "array", "items": uid, "minItems": 1, "maxItems": 1000}}})
+        }
+        ("post", "/v1/groups/{id}/mutes") => {
+            json!({"type": "object", "required": ["user_id", "duration_secs"],
+            "properties": {"user_id": uid, "duration_secs": {"type": "integer", "minimum": 1}}})
+        }
+        _ => return None,
+    })
+}
+
 pub fn document() -> Value {
     let mut paths = Map::new();
     for (method, path, caller, summary) in ENDPOINTS {
         let mut responses = Map::new();
-        responses.insert("200".into(), json!({"description": "success", "content": {"application/json": {"schema": {"type": "object"}}}}));
+        let content = match *path {
+            "/" => json!({"text/html": {"schema": {"type": "string"}}}),
+            "/metrics" => json!({"text/plain": {"schema": {"type": "string"}}}),
+            _ => json!({"application/json": {"schema": {"type": "object"}}}),
+        };
+        let ok = if *path == "/v1/ws" { "101" } else { "200" };
+        responses.insert(
+            ok.into(),
+            json!({"description": "success", "content": content}),
+        );
+        if *path == "/readyz" {
+            responses.insert("503".into(), json!({"description": "not ready", "content": {"application/json": {"schema": {"type": "object"}}}}));
+        }
         if *caller != Caller::Public {
             for (status, codes) in ERROR_STATUSES {
                 responses.insert(
@@ -227,19 +364,26 @@ pub fn document() -> Value {
                 );
             }
         }
-        let params: Vec<Value> = path
+        let mut params: Vec<Value> = path
             .split('/')
             .filter_map(|seg| seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
-            .map(|name| json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}}))
+            .map(|name| json!({"name": name, "in": "path", "required": true, "schema": path_param_schema(name)}))
             .collect();
+        params.extend(query_params(method, path));
         let mut op = json!({"summary": summary, "parameters": params, "responses": responses});
         match caller {
             Caller::Public => {}
             Caller::User => op["security"] = json!([{"userToken": []}]),
             Caller::Admin => op["security"] = json!([{"adminKey": []}]),
         }
-        if matches!(*method, "post" | "put" | "patch") {
-            op["requestBody"] = json!({"required": false, "content": {"application/json": {"schema": {"type": "object"}}}});
+        let takes_body = !matches!(
+            *path,
+            "/v1/admin/rooms" | "/v1/admin/users/{id}/logout" | "/v1/messages/{msg_id}/recall"
+        ) && !path.ends_with("/admins/{uid}");
+        if matches!(*method, "post" | "put" | "patch") && takes_body {
+            let schema = request_schema(method, path).unwrap_or_else(|| json!({"type": "object"}));
+            op["requestBody"] =
+                json!({"required": false, "content": {"application/json": {"schema": schema}}});
         }
         let entry = paths.entry((*path).to_owned()).or_insert_with(|| json!({}));
         entry[*method] = op;

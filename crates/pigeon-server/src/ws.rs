@@ -47,9 +47,22 @@ pub async fn upgrade(
     State(app): State<AppRef>,
     headers: HeaderMap,
     params: Result<Query<WsParams>, axum::extract::rejection::QueryRejection>,
-    ws: WebSocketUpgrade,
+    ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Response {
-    match authorize(&app, &headers, params).await {
+    let authorized = authorize(&app, &headers, params).await;
+    let ws = match (authorized.is_ok(), ws) {
+        (true, Ok(ws)) => ws,
+        (true, Err(_)) => {
+            return ApiError::invalid("this endpoint needs a WebSocket upgrade").into_response();
+        }
+        (false, _) => {
+            return authorized
+                .err()
+                .map(IntoResponse::into_response)
+                .unwrap_or_default();
+        }
+    };
+    match authorized {
         Ok((user, device)) => ws
             .protocols(["pigeon.v1.json"])
             .read_buffer_size(4096)

@@ -1,6 +1,8 @@
 //! The `pigeon` binary: `pigeon serve` runs the server; the other subcommands are tools
 //! around it.
 
+mod bench;
+
 use clap::{Parser, Subcommand};
 use pigeon_server::{Config, ServeArgs};
 use std::process::ExitCode;
@@ -20,14 +22,22 @@ struct Cli {
 enum Cmd {
     /// Run the server (embedded store under ./data, 127.0.0.1:8080, no setup needed).
     Serve(ServeArgs),
+    /// Load scenarios against a running server (or one started with --spawn), with a
+    /// delivery check (lost, duplicated, out of order) on every run.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The bench prints its own progress; only the server's warnings join it.
+    let default_filter = match cli.command {
+        Cmd::Serve(_) => "info",
+        Cmd::Bench(_) => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("PIGEON_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -43,6 +53,7 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Cmd::Serve(args) => runtime.block_on(serve(args)),
+        Cmd::Bench(args) => runtime.block_on(bench::run(args)),
     }
 }
 

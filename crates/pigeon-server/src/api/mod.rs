@@ -140,8 +140,13 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+        match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(v)) if !v.is_object() => {
+                Err(ApiError::invalid("the body must be a JSON object"))
+            }
+            Ok(axum::Json(v)) => serde_json::from_value(v)
+                .map(ApiJson)
+                .map_err(|e| ApiError::invalid(format!("bad body: {e}"))),
             Err(JsonRejection::BytesRejection(e))
                 if e.status() == StatusCode::PAYLOAD_TOO_LARGE =>
             {

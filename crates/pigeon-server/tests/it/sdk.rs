@@ -241,28 +241,54 @@ async fn crossing_the_fanout_threshold_with_messages_in_flight() {
         tokens.insert(u, s.token(u).await);
     }
     let owner = s.anon().with_bearer(tokens[&1].clone());
-    let g = owner.post("/v1/groups", &json!({"name": "edge", "members": [2, 3]})).await.unwrap()["conversation_id"].as_str().unwrap().to_owned();
+    let g = owner
+        .post("/v1/groups", &json!({"name": "edge", "members": [2, 3]}))
+        .await
+        .unwrap()["conversation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     // Members 1-3 stay throughout and watch through the SDK.
     let mut watchers = Vec::new();
     for u in 1..=3u64 {
-        watchers.push(start_client(sdk_config(&s.ws_base, &tokens[&u], &format!("w{u}"))));
+        watchers.push(start_client(sdk_config(
+            &s.ws_base,
+            &tokens[&u],
+            &format!("w{u}"),
+        )));
     }
     let sender = {
         let h = s.anon().with_bearer(tokens[&2].clone());
         let g = g.clone();
         tokio::spawn(async move {
             for i in 0..150 {
-                h.post("/v1/messages", &text_to_conv(&format!("f{i}"), &g, &i.to_string())).await.unwrap();
+                h.post(
+                    "/v1/messages",
+                    &text_to_conv(&format!("f{i}"), &g, &i.to_string()),
+                )
+                .await
+                .unwrap();
             }
         })
     };
     // Meanwhile the group grows past the threshold and shrinks back, again and again.
     let client = reqwest::Client::new();
     for _ in 0..6 {
-        owner.post(&format!("/v1/groups/{g}/members"), &json!({"user_ids": [4, 5]})).await.unwrap();
+        owner
+            .post(
+                &format!("/v1/groups/{g}/members"),
+                &json!({"user_ids": [4, 5]}),
+            )
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_millis(30)).await;
         for u in [4, 5] {
-            let r = client.delete(format!("{}/v1/groups/{g}/members/{u}", s.base)).bearer_auth(&tokens[&1]).send().await.unwrap();
+            let r = client
+                .delete(format!("{}/v1/groups/{g}/members/{u}", s.base))
+                .bearer_auth(&tokens[&1])
+                .send()
+                .await
+                .unwrap();
             assert_eq!(r.status(), 200);
         }
         tokio::time::sleep(Duration::from_millis(30)).await;
@@ -271,7 +297,10 @@ async fn crossing_the_fanout_threshold_with_messages_in_flight() {
     let head = head_of(&owner, &g).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while tokio::time::Instant::now() < deadline {
-        if watchers.iter().all(|(_, shown)| shown.lock().unwrap().get(&g).map_or(0, |v| v.len()) as u64 >= head) {
+        if watchers
+            .iter()
+            .all(|(_, shown)| shown.lock().unwrap().get(&g).map_or(0, |v| v.len()) as u64 >= head)
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -279,6 +308,11 @@ async fn crossing_the_fanout_threshold_with_messages_in_flight() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     for (i, (_, shown)) in watchers.iter().enumerate() {
         let got = shown.lock().unwrap().get(&g).cloned().unwrap_or_default();
-        assert_eq!(got, (1..=head).collect::<Vec<_>>(), "watcher {} saw every seq once, in order", i + 1);
+        assert_eq!(
+            got,
+            (1..=head).collect::<Vec<_>>(),
+            "watcher {} saw every seq once, in order",
+            i + 1
+        );
     }
 }
