@@ -1,0 +1,796 @@
+//! Load connections: each one a task that sends (with a window of in-flight sends, or at a
+//! fixed rate), takes the pushes, acknowledges them in batches, and records what the
+//! correctness check and the latency figures need. `evaluate` merges their records.
+
+use super::report::Checks;
+use super::{Res, content, now_us, sent_us_of};
+use futures_util::StreamExt;
+use pigeon_client::WsConn;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicI64, AtomicU64};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// Latency buckets: single chat or group, sent before or after `Shared::phase_split_us`.
+pub const SINGLE_P1: usize = 0;
+pub const SINGLE_P2: usize = 1;
+pub const GROUP_P1: usize = 2;
+pub const GROUP_P2: usize = 3;
+
+/// Acknowledge pushes once this many are waiting, or once the oldest waited this long.
+const ACK_BATCH: usize = 64;
+const ACK_DELAY: Duration = Duration::from_millis(20);
+/// A connection that wrote nothing for this long pings (the server closes silent ones).
+const PING_EVERY: Duration = Duration::from_secs(10);
+
+/// Live totals over every connection of a run (the progress line reads them).
+#[derive(Default)]
+pub struct Counters {
+    /// Distinct messages sent (retries not counted again).
+    pub sent: AtomicU64,
+    pub acked: AtomicU64,
+    pub inflight: AtomicI64,
+    /// First pushes of bench messages to members other than their sender.
+    pub delivered: AtomicU64,
+    /// First pushes of bench messages to any member (the sender's connection included).
+    pub deliveries: AtomicU64,
+    /// Pushes due for the acknowledged messages: the sum of their fan-outs.
+    pub expected: AtomicU64,
+    /// Sends answered `rate_limited` or `unavailable`, sent again.
+    pub retried: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+pub struct Shared {
+    pub counters: Counters,
+    /// Messages sent at or after this time (µs, see `now_us`) count in the second phase.
+    pub phase_split_us: AtomicU64,
+}
+
+impl Shared {
+    pub fn new() -> Arc<Shared> {
+        Arc::new(Shared {
+            counters: Counters::default(),
+            phase_split_us: AtomicU64::new(u64::MAX),
+        })
+    }
+}
+
+/// What the connections are told to do: which classes of senders send, and when to stop.
+#[derive(Clone, Copy, Default, Debug)]
+pub struct Ctl {
+    pub send: [bool; 2],
+    pub finish: bool,
+}
+
+/// What one connection sends.
+pub struct SendPlan {
+    /// The `to` of the send frame: `{"user":U}` or `{"conversation":C}`.
+    pub to: Value,
+    /// Member connections that get each message, the sender's included.
+    pub fanout: u64,
+    /// Most sends awaiting their `send_ack`.
+    pub window: usize,
+    /// With a fixed rate: the time between two sends of this connection.
+    pub interval: Option<Duration>,
+    /// Most messages to send.
+    pub limit: Option<u64>,
+    /// Content bytes.
+    pub size: usize,
+    /// Senders of class `i` send while `Ctl::send[i]`.
+    pub class: usize,
+}
+
+/// One load connection.
+pub struct Spec {
+    pub user: u64,
+    pub token: String,
+    pub device: String,
+    pub send: Option<SendPlan>,
+    /// Conversations this connection must get every acknowledged message of.
+    pub expect: Vec<String>,
+    /// Record per-message delivery times (for the time until the last member has it).
+    pub completion: bool,
+}
+
+/// A set of seqs (a bitmap; seqs of one chain are dense).
+#[derive(Default)]
+pub struct SeqSet {
+    bits: Vec<u64>,
+}
+
+impl SeqSet {
+    /// Adds `seq`; false when it was there already.
+    pub fn insert(&mut self, seq: u64) -> bool {
+        let (w, b) = ((seq / 64) as usize, seq % 64);
+        if w >= self.bits.len() {
+            self.bits.resize(w + 1, 0);
+        }
+        let had = self.bits[w] & (1 << b) != 0;
+        self.bits[w] |= 1 << b;
+        !had
+    }
+
+    pub fn contains(&self, seq: u64) -> bool {
+        let (w, b) = ((seq / 64) as usize, seq % 64);
+        self.bits.get(w).is_some_and(|x| x & (1 << b) != 0)
+    }
+}
+
+/// What one connection saw of one conversation.
+#[derive(Default)]
+pub struct ConvTrack {
+    pub seen: SeqSet,
+    pub max: u64,
+    /// Highest seq up to which every push since the first one arrived (read fan-out acks).
+    contig: Option<u64>,
+    acked: u64,
+    /// Pushed without a `user_seq` (a read fan-out group): acknowledged by conversation.
+    read_fanout: bool,
+}
+
+impl ConvTrack {
+    /// Records a push of `seq`; answers (new, out_of_order).
+    pub fn record(&mut self, seq: u64) -> (bool, bool) {
+        if !self.seen.insert(seq) {
+            return (false, false);
+        }
+        let ooo = seq < self.max;
+        self.max = self.max.max(seq);
+        let mut c = self.contig.unwrap_or(seq.saturating_sub(1));
+        while self.seen.contains(c + 1) {
+            c += 1;
+        }
+        self.contig = Some(c);
+        (true, ooo)
+    }
+}
+
+/// What a connection reports at the end.
+#[derive(Default)]
+pub struct ConnReport {
+    pub user: u64,
+    /// Connected from the start to the end, with no error.
+    pub online_throughout: bool,
+    pub failure: Option<String>,
+    pub expect: Vec<String>,
+    pub convs: HashMap<String, ConvTrack>,
+    /// The seqs acknowledged to this connection's sends, per conversation.
+    pub acked: HashMap<String, Vec<u64>>,
+    pub fanout: u64,
+    pub duplicated: u64,
+    pub out_of_order: u64,
+    /// Sends refused for good, by error code.
+    pub send_errors: HashMap<String, u64>,
+    /// Sends still without an answer at the end.
+    pub unacked: u64,
+    /// Latencies in µs, by bucket (see `SINGLE_P1` ...).
+    pub ack_lat: [Vec<u32>; 4],
+    pub delivery_lat: [Vec<u32>; 4],
+    /// Per conversation: (seq, send→delivered µs) of bench messages from other senders.
+    pub completion: HashMap<String, Vec<(u64, u32)>>,
+}
+
+struct Inflight {
+    cmid: String,
+    content: String,
+    sent_us: u64,
+}
+
+/// Opens the connections, `concurrency` at a time; fails on the first that cannot connect.
+pub async fn connect_all(
+    ws_base: &str,
+    specs: Vec<Spec>,
+    concurrency: usize,
+) -> Res<Vec<(Spec, WsConn)>> {
+    let n = specs.len();
+    let results: Vec<Res<(Spec, WsConn)>> = futures_util::stream::iter(specs)
+        .map(|spec| async move {
+            match WsConn::connect(ws_base, &spec.token, &spec.device).await {
+                Ok(c) => Ok((spec, c)),
+                Err(e) => Err(format!("user {} cannot connect: {e}", spec.user)),
+            }
+        })
+        .buffered(concurrency.max(1))
+        .collect()
+        .await;
+    let conns: Res<Vec<_>> = results.into_iter().collect();
+    let conns = conns?;
+    super::note(format!("{n} connections open"));
+    Ok(conns)
+}
+
+/// The connections of a run, each driven by its own task.
+pub struct Run {
+    pub shared: Arc<Shared>,
+    ctl: watch::Sender<Ctl>,
+    tasks: Vec<tokio::task::JoinHandle<ConnReport>>,
+}
+
+impl Run {
+    pub fn start(conns: Vec<(Spec, WsConn)>, shared: Arc<Shared>) -> Run {
+        let (ctl, rx) = watch::channel(Ctl::default());
+        let tasks = conns
+            .into_iter()
+            .map(|(spec, ws)| tokio::spawn(drive(ws, spec, shared.clone(), rx.clone())))
+            .collect();
+        Run { shared, ctl, tasks }
+    }
+
+    pub fn set(&self, f: impl FnOnce(&mut Ctl)) {
+        self.ctl.send_modify(f);
+    }
+
+    /// Stops every sender and waits (at most `max`) until every send has its answer and every
+    /// acknowledged message reached every member connection. True when everything arrived.
+    pub async fn drain(&self, max: Duration) -> bool {
+        self.set(|c| c.send = [false, false]);
+        let until = Instant::now() + max;
+        let c = &self.shared.counters;
+        loop {
+            if c.inflight.load(Relaxed) <= 0
+                && c.deliveries.load(Relaxed) >= c.expected.load(Relaxed)
+            {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops the connections and collects their reports.
+    pub async fn finish(self) -> Vec<ConnReport> {
+        self.ctl.send_modify(|c| c.finish = true);
+        let mut out = Vec::with_capacity(self.tasks.len());
+        for t in self.tasks {
+            match t.await {
+                Ok(r) => out.push(r),
+                Err(e) => out.push(ConnReport {
+                    failure: Some(format!("driver task failed: {e}")),
+                    ..ConnReport::default()
+                }),
+            }
+        }
+        out
+    }
+}
+
+struct Driver {
+    sh: Arc<Shared>,
+    plan: Option<SendPlan>,
+    user: u64,
+    completion: bool,
+    next_req: i64,
+    started_sends: u64,
+    inflight: HashMap<i64, Inflight>,
+    retries: Vec<(Instant, i64)>,
+    /// Rate mode: when the next send is due.
+    next_at: Option<Instant>,
+    inbox: SeqSet,
+    inbox_contig: u64,
+    inbox_acked: u64,
+    ack_pending: usize,
+    ack_since: Option<Instant>,
+    last_write: Instant,
+    r: ConnReport,
+}
+
+async fn drive(
+    mut ws: WsConn,
+    spec: Spec,
+    sh: Arc<Shared>,
+    mut ctl: watch::Receiver<Ctl>,
+) -> ConnReport {
+    let head = ws.hello["user_seq"].as_u64().unwrap_or(0);
+    let mut d = Driver {
+        sh,
+        user: spec.user,
+        completion: spec.completion,
+        next_req: 1,
+        started_sends: 0,
+        inflight: HashMap::new(),
+        retries: Vec::new(),
+        next_at: None,
+        inbox: SeqSet::default(),
+        inbox_contig: head,
+        inbox_acked: head,
+        ack_pending: 0,
+        ack_since: None,
+        last_write: Instant::now(),
+        r: ConnReport {
+            user: spec.user,
+            online_throughout: true,
+            expect: spec.expect,
+            fanout: spec.send.as_ref().map_or(0, |p| p.fanout),
+            ..ConnReport::default()
+        },
+        plan: spec.send,
+    };
+    let mut c = *ctl.borrow_and_update();
+    loop {
+        if c.finish {
+            break;
+        }
+        let now = Instant::now();
+        if let Err(e) = d.send_due(&mut ws, &c, now).await {
+            d.fail(e);
+            break;
+        }
+        if d.ack_due(now)
+            && let Err(e) = d.flush_acks(&mut ws).await
+        {
+            d.fail(e);
+            break;
+        }
+        if now.duration_since(d.last_write) >= PING_EVERY {
+            if let Err(e) = ws.send_text(r#"{"type":"ping"}"#.into()).await {
+                d.fail(e.to_string());
+                break;
+            }
+            d.last_write = now;
+        }
+        let deadline = d.next_wake(&c, now);
+        tokio::select! {
+            got = ws.recv(deadline.saturating_duration_since(now)) => match got {
+                Ok(Some(frame)) => d.handle(frame),
+                Ok(None) => {
+                    if Instant::now() + Duration::from_millis(1) < deadline {
+                        let why = match &ws.closed_with {
+                            Some((code, reason)) => format!("closed by the server: {code} {reason}"),
+                            None => "connection closed".to_owned(),
+                        };
+                        d.fail(why);
+                        break;
+                    }
+                }
+                Err(e) => {
+                    d.fail(e.to_string());
+                    break;
+                }
+            },
+            changed = ctl.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                c = *ctl.borrow_and_update();
+            }
+        }
+    }
+    if d.r.online_throughout {
+        let _ = d.flush_acks(&mut ws).await;
+        ws.close().await;
+    }
+    d.finish()
+}
+
+impl Driver {
+    fn fail(&mut self, why: String) {
+        if self.r.online_throughout {
+            self.r.online_throughout = false;
+            self.r.failure = Some(why);
+            self.sh.counters.errors.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn finish(mut self) -> ConnReport {
+        let left = self.inflight.len() as u64;
+        self.r.unacked = left;
+        self.sh.counters.inflight.fetch_sub(left as i64, Relaxed);
+        self.r
+    }
+
+    fn bucket(&self, is_group: bool, sent_us: u64) -> usize {
+        let phase2 = sent_us >= self.sh.phase_split_us.load(Relaxed);
+        usize::from(phase2) + if is_group { 2 } else { 0 }
+    }
+
+    /// Sends what is due: retries, then new messages within the window (and the rate).
+    async fn send_due(&mut self, ws: &mut WsConn, c: &Ctl, now: Instant) -> Result<(), String> {
+        let Some(plan) = &self.plan else {
+            return Ok(());
+        };
+        if !c.send[plan.class] {
+            self.next_at = None;
+            return Ok(());
+        }
+        let mut due = Vec::new();
+        self.retries.retain(|(at, req)| {
+            if *at <= now {
+                due.push(*req);
+                false
+            } else {
+                true
+            }
+        });
+        for req in due {
+            if let Some(f) = self.inflight.get(&req) {
+                let frame = json!({"type": "send", "req": req, "client_msg_id": f.cmid,
+                    "to": plan.to, "kind": "text", "content": f.content});
+                ws.send_text(frame.to_string())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                self.last_write = now;
+            }
+        }
+        loop {
+            if self.inflight.len() >= plan.window
+                || plan.limit.is_some_and(|l| self.started_sends >= l)
+            {
+                return Ok(());
+            }
+            // Rate mode: the latency counts from the scheduled time, so that a slow server
+            // cannot hide its delay by slowing the sender down.
+            let sent_us = match plan.interval {
+                None => now_us(),
+                Some(every) => {
+                    let at = *self.next_at.get_or_insert(now);
+                    if at > now {
+                        return Ok(());
+                    }
+                    self.next_at = Some(at + every);
+                    now_us().saturating_sub(now.duration_since(at).as_micros() as u64)
+                }
+            };
+            let req = self.next_req;
+            self.next_req += 1;
+            self.started_sends += 1;
+            let cmid = format!("b{}-{}", self.user, self.started_sends);
+            let text = content(sent_us, plan.size);
+            let frame = json!({"type": "send", "req": req, "client_msg_id": cmid,
+                "to": plan.to, "kind": "text", "content": text});
+            ws.send_text(frame.to_string())
+                .await
+                .map_err(|e| e.to_string())?;
+            self.last_write = now;
+            self.inflight.insert(
+                req,
+                Inflight {
+                    cmid,
+                    content: text,
+                    sent_us,
+                },
+            );
+            let k = &self.sh.counters;
+            k.sent.fetch_add(1, Relaxed);
+            k.inflight.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// When the loop must wake up at the latest.
+    fn next_wake(&self, c: &Ctl, now: Instant) -> Instant {
+        let mut at = now + Duration::from_millis(500);
+        if let Some(since) = self.ack_since {
+            at = at.min(since + ACK_DELAY);
+        }
+        if let Some(plan) = &self.plan
+            && c.send[plan.class]
+        {
+            if let Some(next) = self.next_at
+                && self.inflight.len() < plan.window
+            {
+                at = at.min(next);
+            }
+            if let Some(r) = self.retries.iter().map(|(t, _)| *t).min() {
+                at = at.min(r);
+            }
+        }
+        at.max(now)
+    }
+
+    fn ack_due(&self, now: Instant) -> bool {
+        self.ack_pending >= ACK_BATCH || self.ack_since.is_some_and(|s| now >= s + ACK_DELAY)
+    }
+
+    /// Acknowledges the inbox and every read fan-out conversation up to where they are
+    /// complete.
+    async fn flush_acks(&mut self, ws: &mut WsConn) -> Result<(), String> {
+        if self.inbox_contig > self.inbox_acked {
+            ws.send_text(format!(
+                r#"{{"type":"ack","user_seq":{}}}"#,
+                self.inbox_contig
+            ))
+            .await
+            .map_err(|e| e.to_string())?;
+            self.inbox_acked = self.inbox_contig;
+        }
+        for (conv, t) in self.r.convs.iter_mut() {
+            if let Some(c) = t.contig
+                && c > t.acked
+                && t.read_fanout
+            {
+                ws.send_text(json!({"type": "ack", "conversation_id": conv, "seq": c}).to_string())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                t.acked = c;
+            }
+        }
+        self.ack_pending = 0;
+        self.ack_since = None;
+        self.last_write = Instant::now();
+        Ok(())
+    }
+
+    fn want_ack(&mut self) {
+        self.ack_pending += 1;
+        if self.ack_since.is_none() {
+            self.ack_since = Some(Instant::now());
+        }
+    }
+
+    fn handle(&mut self, frame: Value) {
+        match frame["type"].as_str() {
+            Some("msg") => self.on_push(&frame),
+            Some("send_ack") => self.on_send_ack(&frame),
+            Some("error") => self.on_error(&frame),
+            Some("kicked") => self.fail(format!("kicked: {}", frame["reason"])),
+            _ => {}
+        }
+    }
+
+    fn on_push(&mut self, frame: &Value) {
+        let m = &frame["message"];
+        let (Some(conv), Some(seq)) = (m["conversation_id"].as_str(), m["seq"].as_u64()) else {
+            self.fail(format!("malformed push: {frame}"));
+            return;
+        };
+        let now = now_us();
+        let track = self.r.convs.entry(conv.to_owned()).or_default();
+        let (new, ooo) = track.record(seq);
+        match frame.get("user_seq").and_then(Value::as_u64) {
+            // Through the inbox: acknowledged cumulatively up to where the inbox is complete.
+            Some(us) => {
+                self.inbox.insert(us);
+                while self.inbox.contains(self.inbox_contig + 1) {
+                    self.inbox_contig += 1;
+                }
+            }
+            None => track.read_fanout = true,
+        }
+        self.want_ack();
+        if !new {
+            self.r.duplicated += 1;
+            return;
+        }
+        if ooo {
+            self.r.out_of_order += 1;
+        }
+        if m["kind"] != "text" {
+            return;
+        }
+        let Some(sent_us) = m["content"].as_str().and_then(sent_us_of) else {
+            return;
+        };
+        let k = &self.sh.counters;
+        k.deliveries.fetch_add(1, Relaxed);
+        if m["sender"].as_u64() == Some(self.user) {
+            return;
+        }
+        k.delivered.fetch_add(1, Relaxed);
+        let lat = now.saturating_sub(sent_us).min(u64::from(u32::MAX)) as u32;
+        let b = self.bucket(conv.starts_with('g'), sent_us);
+        self.r.delivery_lat[b].push(lat);
+        if self.completion {
+            self.r
+                .completion
+                .entry(conv.to_owned())
+                .or_default()
+                .push((seq, lat));
+        }
+    }
+
+    fn on_send_ack(&mut self, frame: &Value) {
+        let Some(req) = frame["req"].as_i64() else {
+            return;
+        };
+        let Some(f) = self.inflight.remove(&req) else {
+            return;
+        };
+        self.retries.retain(|(_, r)| *r != req);
+        let (Some(conv), Some(seq)) = (frame["conversation_id"].as_str(), frame["seq"].as_u64())
+        else {
+            self.fail(format!("malformed send_ack: {frame}"));
+            return;
+        };
+        let lat = now_us().saturating_sub(f.sent_us).min(u64::from(u32::MAX)) as u32;
+        let b = self.bucket(conv.starts_with('g'), f.sent_us);
+        self.r.ack_lat[b].push(lat);
+        self.r.acked.entry(conv.to_owned()).or_default().push(seq);
+        let k = &self.sh.counters;
+        k.acked.fetch_add(1, Relaxed);
+        k.inflight.fetch_sub(1, Relaxed);
+        k.expected.fetch_add(self.r.fanout, Relaxed);
+    }
+
+    fn on_error(&mut self, frame: &Value) {
+        let code = frame["code"].as_str().unwrap_or("?").to_owned();
+        let Some(req) = frame["req"]
+            .as_i64()
+            .filter(|r| self.inflight.contains_key(r))
+        else {
+            self.fail(format!("error frame: {frame}"));
+            return;
+        };
+        if code == "rate_limited" || code == "unavailable" {
+            // Safe to retry with the same client_msg_id (PROTOCOL.md section 1).
+            let wait = frame["retry_after_ms"]
+                .as_u64()
+                .unwrap_or(50)
+                .clamp(1, 5_000);
+            self.retries
+                .push((Instant::now() + Duration::from_millis(wait), req));
+            self.sh.counters.retried.fetch_add(1, Relaxed);
+            return;
+        }
+        self.inflight.remove(&req);
+        *self.r.send_errors.entry(code).or_default() += 1;
+        let k = &self.sh.counters;
+        k.inflight.fetch_sub(1, Relaxed);
+        k.errors.fetch_add(1, Relaxed);
+    }
+}
+
+/// The progress line of the message scenarios: totals and the delivery rate of the last second.
+pub fn progress(shared: Arc<Shared>) -> super::Progress {
+    let mut last = (0.0, 0u64);
+    super::Progress::start(move |t| {
+        let k = &shared.counters;
+        let delivered = k.delivered.load(Relaxed);
+        let rate = (delivered - last.1) as f64 / (t - last.0).max(1e-3);
+        last = (t, delivered);
+        format!(
+            "sent {}  acked {}  delivered {}  ({rate:.0}/s)  in flight {}  retried {}  errors {}",
+            k.sent.load(Relaxed),
+            k.acked.load(Relaxed),
+            delivered,
+            k.inflight.load(Relaxed),
+            k.retried.load(Relaxed),
+            k.errors.load(Relaxed),
+        )
+    })
+}
+
+/// The merged records of a run.
+#[derive(Default)]
+pub struct Outcome {
+    pub checks: Checks,
+    /// By bucket (see `SINGLE_P1` ...), µs.
+    pub ack_lat: [Vec<u32>; 4],
+    pub delivery_lat: [Vec<u32>; 4],
+    /// Per acknowledged message reaching every other member: send→last member, µs.
+    pub completion: Vec<u32>,
+    pub acked: u64,
+}
+
+/// Merges the reports and counts lost, duplicated and out-of-order pushes, and errors.
+pub fn evaluate(reports: Vec<ConnReport>) -> Outcome {
+    let mut out = Outcome::default();
+    // Every acknowledged seq, per conversation, with the fan-out of its sender's plan.
+    let mut acked: HashMap<String, (u64, Vec<u64>)> = HashMap::new();
+    for r in &reports {
+        for (conv, seqs) in &r.acked {
+            let e = acked.entry(conv.clone()).or_insert((r.fanout, Vec::new()));
+            e.1.extend_from_slice(seqs);
+        }
+    }
+    for (_, seqs) in acked.values_mut() {
+        seqs.sort_unstable();
+        let before = seqs.len();
+        seqs.dedup();
+        out.checks
+            .error("seq given to two messages", (before - seqs.len()) as u64);
+        out.acked += seqs.len() as u64;
+    }
+    let mut done: HashMap<&str, HashMap<u64, (u32, u64)>> = HashMap::new();
+    for r in &reports {
+        out.checks.duplicated += r.duplicated;
+        out.checks.out_of_order += r.out_of_order;
+        out.checks.error("unanswered sends", r.unacked);
+        for (code, n) in &r.send_errors {
+            out.checks.error(format!("send refused: {code}"), *n);
+        }
+        if let Some(f) = &r.failure {
+            out.checks.error("connection failed", 1);
+            super::note(format!("user {}: {f}", r.user));
+        }
+        if r.online_throughout {
+            for conv in &r.expect {
+                let Some((_, seqs)) = acked.get(conv) else {
+                    continue;
+                };
+                let track = r.convs.get(conv);
+                let missing = seqs
+                    .iter()
+                    .filter(|s| !track.is_some_and(|t| t.seen.contains(**s)))
+                    .count();
+                out.checks.lost += missing as u64;
+            }
+        }
+        for (conv, items) in &r.completion {
+            let per = done.entry(conv.as_str()).or_default();
+            for (seq, lat) in items {
+                let e = per.entry(*seq).or_insert((0, 0));
+                e.0 = e.0.max(*lat);
+                e.1 += 1;
+            }
+        }
+    }
+    for (conv, per) in &done {
+        let Some((fanout, seqs)) = acked.get(*conv) else {
+            continue;
+        };
+        for s in seqs {
+            if let Some((max, n)) = per.get(s)
+                && *n + 1 >= *fanout
+            {
+                out.completion.push(*max);
+            }
+        }
+    }
+    for mut r in reports {
+        for b in 0..4 {
+            out.ack_lat[b].append(&mut r.ack_lat[b]);
+            out.delivery_lat[b].append(&mut r.delivery_lat[b]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seq_set_and_tracking() {
+        let mut s = SeqSet::default();
+        assert!(s.insert(1));
+        assert!(!s.insert(1));
+        assert!(s.insert(200));
+        assert!(s.contains(200) && !s.contains(199));
+
+        let mut t = ConvTrack::default();
+        assert_eq!(t.record(5), (true, false));
+        assert_eq!(t.record(7), (true, false));
+        assert_eq!(t.contig, Some(5));
+        assert_eq!(t.record(6), (true, true));
+        assert_eq!(t.contig, Some(7));
+        assert_eq!(t.record(6), (false, false));
+    }
+
+    #[test]
+    fn lost_and_duplicates_are_counted() {
+        let mut sender = ConnReport {
+            user: 1,
+            online_throughout: true,
+            fanout: 2,
+            expect: vec!["1-2".into()],
+            ..ConnReport::default()
+        };
+        sender.acked.insert("1-2".into(), vec![1, 2, 3]);
+        let mut t = ConvTrack::default();
+        for s in [1, 2, 3] {
+            t.record(s);
+        }
+        sender.convs.insert("1-2".into(), t);
+        let mut peer = ConnReport {
+            user: 2,
+            online_throughout: true,
+            expect: vec!["1-2".into()],
+            duplicated: 1,
+            ..ConnReport::default()
+        };
+        let mut t = ConvTrack::default();
+        t.record(1);
+        t.record(3);
+        peer.convs.insert("1-2".into(), t);
+        let out = evaluate(vec![sender, peer]);
+        assert_eq!(out.checks.lost, 1);
+        assert_eq!(out.checks.duplicated, 1);
+        assert_eq!(out.acked, 3);
+        assert!(!out.checks.ok());
+    }
+}

@@ -1,0 +1,206 @@
+//! `group`: G groups of M members, every member online, a few senders per group sending into
+//! it. Reports deliveries per second and, per message, the time until the last member has it.
+//! Run it below and above the server's fan-out threshold by choosing M (or, with --spawn,
+//! `--fanout-write-max-members`).
+
+use super::direct::check_common;
+use super::driver::{self, GROUP_P1, Run, SendPlan, Shared, Spec};
+use super::procfs::CpuMeter;
+use super::{
+    Common, MAX_CONNECTIONS_PER_PROCESS, Report, Res, Target, make_users, note, user_id_base,
+};
+use pigeon_client::Http;
+use serde_json::json;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub common: Common,
+    /// Members per group (the owner included); one connection each
+    #[arg(long, default_value_t = 50)]
+    pub members: usize,
+    /// Groups (members are not shared between groups)
+    #[arg(long, default_value_t = 10)]
+    pub groups: usize,
+    /// Members of each group that send
+    #[arg(long, default_value_t = 2)]
+    pub senders: usize,
+    /// Sends awaiting their send_ack, per sender
+    #[arg(long, default_value_t = 16)]
+    pub window: usize,
+    /// Send at this fixed total rate (messages per second over all senders)
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Seconds of sending
+    #[arg(long, default_value_t = 10.0)]
+    pub duration: f64,
+    /// Bytes of content per message
+    #[arg(long, default_value_t = 32)]
+    pub size: usize,
+}
+
+/// The most members one create or invite call may carry.
+const USERS_PER_CALL: usize = 1000;
+
+/// Creates a group owned by `members[0]` (whose token is `owner_token`) holding `members`;
+/// answers its conversation id and fan-out mode.
+pub async fn create_group(
+    admin: &Http,
+    owner_token: &str,
+    members: &[u64],
+    name: &str,
+) -> Res<(String, String)> {
+    let owner = admin.with_bearer(owner_token);
+    let rest = &members[1..];
+    let (first, later) = rest.split_at(rest.len().min(USERS_PER_CALL - 1));
+    let g = owner
+        .post("/v1/groups", &json!({"name": name, "members": first}))
+        .await
+        .map_err(|e| format!("cannot create group {name}: {e}"))?;
+    let conv = g["conversation_id"]
+        .as_str()
+        .ok_or_else(|| format!("group creation answered {g}"))?
+        .to_owned();
+    for chunk in later.chunks(USERS_PER_CALL) {
+        owner
+            .post(
+                &format!("/v1/groups/{conv}/members"),
+                &json!({"user_ids": chunk}),
+            )
+            .await
+            .map_err(|e| format!("cannot add members to {conv}: {e}"))?;
+    }
+    let view = owner
+        .get(&format!("/v1/conversations/{conv}"))
+        .await
+        .map_err(|e| format!("cannot read {conv}: {e}"))?;
+    let fanout = view["fanout"].as_str().unwrap_or("?").to_owned();
+    Ok((conv, fanout))
+}
+
+pub async fn run(a: Args) -> Res<ExitCode> {
+    if a.members < 2 || a.groups == 0 || a.senders == 0 || a.senders > a.members {
+        return Err("need --members >= 2, --groups >= 1, 1 <= --senders <= --members".into());
+    }
+    if a.members * a.groups > MAX_CONNECTIONS_PER_PROCESS {
+        return Err(format!(
+            "--members x --groups is {}: at most {MAX_CONNECTIONS_PER_PROCESS} connections per load process",
+            a.members * a.groups
+        ));
+    }
+    check_common(a.window, a.rate, a.duration)?;
+    let target = Target::open(&a.common).await?;
+    let result = body(&a, &target).await;
+    target.close().await;
+    result
+}
+
+async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
+    let (m, g) = (a.members, a.groups);
+    let base = user_id_base();
+    let ids: Vec<u64> = (0..(m * g) as u64).map(|i| base + i).collect();
+    let tokens = make_users(&target.admin, &ids).await?;
+    let mut convs = Vec::with_capacity(g);
+    let mut fanout_modes = std::collections::BTreeSet::new();
+    for gi in 0..g {
+        let members = &ids[gi * m..(gi + 1) * m];
+        let (conv, mode) = create_group(
+            &target.admin,
+            &tokens[gi * m],
+            members,
+            &format!("bench-{gi}"),
+        )
+        .await?;
+        convs.push(conv);
+        fanout_modes.insert(mode);
+    }
+    let fanout_mode = fanout_modes.into_iter().collect::<Vec<_>>().join(",");
+    note(format!("{g} groups of {m} members ({fanout_mode} fan-out)"));
+    let interval = a
+        .rate
+        .map(|r| Duration::from_secs_f64((a.senders * g) as f64 / r));
+    let specs = ids
+        .iter()
+        .zip(tokens)
+        .enumerate()
+        .map(|(i, (&id, token))| {
+            let conv = &convs[i / m];
+            Spec {
+                user: id,
+                token,
+                device: format!("bench-{i}"),
+                send: (i % m < a.senders).then(|| SendPlan {
+                    to: json!({"conversation": conv}),
+                    fanout: m as u64,
+                    window: a.window,
+                    interval,
+                    limit: None,
+                    size: a.size,
+                    class: 0,
+                }),
+                expect: vec![conv.clone()],
+                completion: true,
+            }
+        })
+        .collect();
+    let conns = driver::connect_all(&target.ws_base(), specs, 64).await?;
+    let shared = Shared::new();
+    let run = Run::start(conns, shared.clone());
+    let server_cpu = target.pid.map(CpuMeter::start);
+    let own_cpu = CpuMeter::start(std::process::id());
+    let started = Instant::now();
+    let progress = driver::progress(shared.clone());
+    run.set(|c| c.send[0] = true);
+    tokio::time::sleep(Duration::from_secs_f64(a.duration)).await;
+    let send_secs = started.elapsed().as_secs_f64();
+    let server_cpu = server_cpu.and_then(|m| m.percent());
+    let own_cpu = own_cpu.percent();
+    let drained = run.drain(Duration::from_secs(a.common.drain_secs)).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    drop(progress);
+    let k = &shared.counters;
+    let (sent, delivered) = (k.sent.load(Relaxed), k.delivered.load(Relaxed));
+    let mut out = driver::evaluate(run.finish().await);
+    if !drained {
+        out.checks.error("drain timed out", 1);
+    }
+    let mut rep = Report::new(
+        "group",
+        format!(
+            "pigeon bench group: {g} groups x {m} members ({fanout_mode} fan-out), {} senders each, {}, {:.1} s",
+            a.senders,
+            match a.rate {
+                Some(r) => format!("{r} msgs/s total (window {})", a.window),
+                None => format!("window {}", a.window),
+            },
+            a.duration
+        ),
+    );
+    rep.set("server", target.describe());
+    rep.set("groups", g);
+    rep.set("members", m);
+    rep.set("senders_per_group", a.senders);
+    rep.set("fanout", fanout_mode);
+    rep.set("window", a.window);
+    rep.num("rate", a.rate);
+    rep.num("duration_secs", Some(send_secs));
+    rep.num("elapsed_secs", Some(elapsed));
+    rep.set("sent", sent);
+    rep.set("acked", out.acked);
+    rep.set("delivered", delivered);
+    rep.num("acked_per_sec", Some(out.acked as f64 / send_secs));
+    rep.num("deliveries_per_sec", Some(delivered as f64 / elapsed));
+    rep.latency("ack_latency_ms", std::mem::take(&mut out.ack_lat[GROUP_P1]));
+    rep.latency(
+        "delivery_latency_ms",
+        std::mem::take(&mut out.delivery_lat[GROUP_P1]),
+    );
+    rep.latency("completion_ms", std::mem::take(&mut out.completion));
+    rep.num("server_cpu_percent", server_cpu);
+    rep.num("bench_cpu_percent", own_cpu);
+    rep.set("retried", k.retried.load(Relaxed));
+    Ok(rep.finish(&out.checks, a.common.json.as_deref()))
+}
