@@ -2,6 +2,7 @@
 //! around it.
 
 mod bench;
+mod chat;
 
 use clap::{Parser, Subcommand};
 use pigeon_server::{Config, ServeArgs};
@@ -25,6 +26,8 @@ enum Cmd {
     /// Load scenarios against a running server (or one started with --spawn), with a
     /// delivery check (lost, duplicated, out of order) on every run.
     Bench(bench::BenchArgs),
+    /// A terminal chat client: one-shot commands for scripts, or a line-mode session.
+    Chat(chat::ChatArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,7 +35,7 @@ fn main() -> ExitCode {
     // The bench prints its own progress; only the server's warnings join it.
     let default_filter = match cli.command {
         Cmd::Serve(_) => "info",
-        Cmd::Bench(_) => "warn",
+        Cmd::Bench(_) | Cmd::Chat(_) => "warn",
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -54,6 +57,7 @@ fn main() -> ExitCode {
     match cli.command {
         Cmd::Serve(args) => runtime.block_on(serve(args)),
         Cmd::Bench(args) => runtime.block_on(bench::run(args)),
+        Cmd::Chat(args) => runtime.block_on(chat::run(args)),
     }
 }
 

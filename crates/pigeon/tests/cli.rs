@@ -354,3 +354,128 @@ async fn sigkill_during_a_send_load_loses_no_acknowledged_message() {
         assert_eq!(from, head + 1);
     }
 }
+
+fn chat(base: &str, user: u64, extra: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_pigeon"))
+        .args([
+            "chat",
+            "--server",
+            base,
+            "--user",
+            &user.to_string(),
+            "--admin-key",
+            KEY,
+        ])
+        .args(extra)
+        .env_remove("PIGEON_TOKEN")
+        .output()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn pigeon_chat_one_shot_commands_exchange_messages() {
+    let dir = temp_dir("chat");
+    let port = free_port();
+    let p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    // With the admin key (dev mode), --user is registered on first use.
+    assert!(chat(&p.base, 22, &["--list"]).status.success());
+    let out = chat(&p.base, 11, &["--send", "22", "hello from 11"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = chat(&p.base, 22, &["--send", "11", "hi 11"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("11-22"));
+    let out = chat(&p.base, 11, &["--list"]);
+    let list = String::from_utf8_lossy(&out.stdout);
+    assert!(list.contains("11-22") && list.contains("unread"), "{list}");
+    let out = chat(&p.base, 11, &["--history", "22", "--json"]);
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let contents: Vec<&str> = lines
+        .iter()
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(contents, vec!["hello from 11", "hi 11"]);
+    let out = chat(&p.base, 11, &["--recall-last", "22"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = chat(&p.base, 22, &["--history", "11"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("(recalled)"));
+    let out = chat(&p.base, 22, &["--send", "11", ""]);
+    assert!(!out.status.success(), "an empty message is refused");
+}
+
+#[tokio::test]
+async fn pigeon_chat_line_mode_sends_and_receives_live() {
+    let dir = temp_dir("chatlive");
+    let port = free_port();
+    let p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    let admin = Http::new(p.base.clone()).with_bearer(KEY);
+    admin.upsert_user(5, "five").await.unwrap();
+    admin.upsert_user(6, "six").await.unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+        .args([
+            "chat",
+            "--server",
+            &p.base,
+            "--user",
+            "6",
+            "--admin-key",
+            KEY,
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    use tokio::io::AsyncWriteExt;
+    stdin.write_all(b"/open 5\n").await.unwrap();
+    // Give the client a moment to connect, then user 5 writes.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let five = Http::new(p.base.clone()).with_bearer(admin.mint_token(5, 60).await.unwrap());
+    five.post("/v1/messages", &json!({"client_msg_id": "live-1", "to": {"user": 6}, "kind": "text", "content": "ping from five"})).await.unwrap();
+    let mut seen = false;
+    while let Ok(Ok(Some(line))) =
+        tokio::time::timeout(Duration::from_secs(10), lines.next_line()).await
+    {
+        if line.contains("ping from five") {
+            seen = true;
+            break;
+        }
+    }
+    assert!(seen, "the live message is printed");
+    stdin.write_all(b"pong from six\n/read\n").await.unwrap();
+    let mut acked = false;
+    while let Ok(Ok(Some(line))) =
+        tokio::time::timeout(Duration::from_secs(10), lines.next_line()).await
+    {
+        if line.contains("read 5-6 up to") {
+            acked = true;
+            break;
+        }
+    }
+    assert!(acked, "sent and marked read");
+    let page = five.get("/v1/conversations/5-6/messages").await.unwrap();
+    assert_eq!(page["messages"][1]["content"], "pong from six");
+    stdin.write_all(b"/quit\n").await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+}
