@@ -312,3 +312,83 @@ test('a lost push is pulled and a doubled one dropped (token login)', async () =
   }
   assert.deepEqual(pageErrors, []);
 });
+
+test('a revoked token sends the page back to the login form', async () => {
+  const F = 606;
+  const ctx = await browser.newContext();
+  try {
+    const pf = await ctx.newPage();
+    watch(pf, 'F');
+    await login(pf, F);
+    const r = await fetch(`${BASE}/v1/admin/users/${F}/logout`, { method: 'POST', headers: { Authorization: `Bearer ${KEY}` } });
+    assert.equal(r.status, 200);
+    await pf.waitForSelector('#login:not([hidden])', { timeout: WAIT });
+    assert.match(await pf.textContent('#login-error'), /token_revoked/);
+    await connState(pf, 'offline');
+  } finally {
+    await ctx.close();
+  }
+  assert.deepEqual(pageErrors, []);
+});
+
+test('a read fan-out group: live pushes, then catch-up by conversation seq after going offline', async () => {
+  // run.sh starts the server with --fanout-write-max-members 2: this group of three is read
+  // fan-out, its messages reach members by the group's own seq, not their inboxes.
+  const G1 = 707;
+  const G2 = 808;
+  const G3 = 909;
+  const c1 = await browser.newContext();
+  const c2 = await browser.newContext();
+  try {
+    const p1 = await c1.newPage();
+    const p2 = await c2.newPage();
+    watch(p1, 'G1');
+    watch(p2, 'G2');
+    await login(p1, G1);
+    await login(p2, G2);
+    await adminToken(G3);
+    await p1.fill('#group-name', 'big group');
+    await p1.fill('#group-members', `${G2}, ${G3}`);
+    await p1.click('#group-btn');
+    await p1.waitForSelector('#chat-title[data-conv^="g"]', { timeout: WAIT });
+    const gid = await p1.getAttribute('#chat-title', 'data-conv');
+    await p2.waitForSelector(`#conv-list li[data-conv="${gid}"]`, { timeout: WAIT });
+    await p2.click(`#conv-list li[data-conv="${gid}"]`);
+    assert.equal(await p2.evaluate((g) => window.pigeon.convById.get(g).fanout, gid), 'read');
+    await send(p1, 'r1');
+    await eventually(async () => assert.deepEqual(await texts(p2), ['r1']));
+    await eventually(async () => assert.equal(await p1.textContent('#messages .msg:last-child .receipt'), 'read by 1'));
+
+    await c2.setOffline(true);
+    await connState(p2, 'offline');
+    await send(p1, 'r2');
+    await send(p1, 'r3');
+    await eventually(async () => assert.deepEqual(await texts(p1), ['r1', 'r2', 'r3']));
+    await c2.setOffline(false);
+    await connState(p2, 'online');
+    // Nothing new is pushed after the reconnect: only sync (the group's seq moved past the
+    // page's position) can bring these.
+    await eventually(async () => assert.deepEqual(await texts(p2), ['r1', 'r2', 'r3']));
+
+    // A send while offline waits in the page and goes out when the socket is back.
+    await c2.setOffline(true);
+    await connState(p2, 'offline');
+    await send(p2, 'queued');
+    await p2.waitForSelector('#messages .msg.pending', { timeout: WAIT });
+    await c2.setOffline(false);
+    await connState(p2, 'online');
+    const want = ['r1', 'r2', 'r3', 'queued'];
+    await eventually(async () => assert.deepEqual(await texts(p2), want));
+    await eventually(async () => assert.deepEqual(await texts(p1), want));
+    assert.equal(await p2.$('#messages .msg.pending'), null);
+    assertInOrder(await shown(p1));
+    assertInOrder(await shown(p2));
+    const seqs = await delivered(p2, gid);
+    assert.deepEqual(seqs, Array.from({ length: seqs.length }, (_, i) => i + 1), `group seqs ${seqs}`);
+    assert.ok(seqs.length >= 5, `group_created and four messages: ${seqs}`);
+  } finally {
+    await c1.close();
+    await c2.close();
+  }
+  assert.deepEqual(pageErrors, []);
+});

@@ -33,9 +33,11 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+# --fanout-write-max-members 2: groups of three or more use read fan-out (pushes without
+# user_seq, followed by conversation seq), so the test covers both delivery paths.
 # Port 0: the server picks a free port and prints "pigeon: listening on http://ADDR".
 "$bin" serve --data-dir "$data/store" --listen 127.0.0.1:0 --admin-key "$key" \
-  --send-rate-per-sec 0 >"$data/server.out" 2>"$data/server.log" &
+  --send-rate-per-sec 0 --fanout-write-max-members 2 >"$data/server.out" 2>"$data/server.log" &
 pid=$!
 
 url=""
