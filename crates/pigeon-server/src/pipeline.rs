@@ -107,8 +107,14 @@ impl Pipeline {
         hub: Arc<Hub>,
     ) -> (Pipeline, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
-        let (dtx, drx) = mpsc::channel(64);
-        tokio::spawn(deliver(drx, hub));
+        let (fast_tx, fast_rx) = mpsc::channel(64);
+        let (bulk_tx, bulk_rx) = mpsc::channel(1024);
+        tokio::spawn(deliver(fast_rx, hub.clone()));
+        tokio::spawn(deliver(bulk_rx, hub));
+        let dtx = Tiers {
+            fast: fast_tx,
+            bulk: bulk_tx,
+        };
         let stats = Arc::new(PipelineStats::default());
         let handle = tokio::spawn(run(store, engine, rx, dtx, stats.clone()));
         (Pipeline { tx, stats }, handle)
@@ -134,7 +140,18 @@ impl Pipeline {
     }
 }
 
-/// What the delivery task sends after a commit, in order.
+/// Conversations with more members than this are delivered by the bulk task, so that a
+/// flood in a large group does not queue in front of single chats and small groups.
+pub const LARGE_TIER_MEMBERS: usize = 100;
+
+/// The two delivery tasks. Everything of one conversation (its senders' acks and its pushes)
+/// goes through the same one, so order per conversation holds.
+struct Tiers {
+    fast: mpsc::Sender<Delivery>,
+    bulk: mpsc::Sender<Delivery>,
+}
+
+/// What a delivery task sends after a commit, in order.
 struct Delivery {
     replies: Vec<(Outbox, String)>,
     events: Vec<Event>,
@@ -144,7 +161,7 @@ async fn run(
     store: Arc<dyn Store>,
     mut engine: Engine,
     mut rx: mpsc::Receiver<Envelope>,
-    delivery: mpsc::Sender<Delivery>,
+    delivery: Tiers,
     stats: Arc<PipelineStats>,
 ) {
     let mut batch: Vec<Envelope> = Vec::with_capacity(MAX_BATCH);
@@ -183,29 +200,50 @@ async fn run(
         metrics::histogram!("pigeon_batch_size").record(n as f64);
         metrics::histogram!("pigeon_commit_seconds").record(started.elapsed().as_secs_f64());
         stats.record(n, &counts);
-        let mut conn_replies = Vec::new();
+        let large: std::collections::HashSet<String> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Message {
+                    message,
+                    recipients,
+                } if recipients.len() > LARGE_TIER_MEMBERS => Some(message.conversation_id.clone()),
+                _ => None,
+            })
+            .collect();
+        let (mut fast, mut bulk) = (
+            Delivery {
+                replies: Vec::new(),
+                events: Vec::new(),
+            },
+            Delivery {
+                replies: Vec::new(),
+                events: Vec::new(),
+            },
+        );
         for (reply, result) in replies.into_iter().zip(results) {
             match reply {
                 ReplyTo::Caller(tx) => {
                     let _ = tx.send(result.map_err(PipelineError::from));
                 }
                 ReplyTo::Connection { outbox, req } => {
+                    let in_large = matches!(&result, Ok(Reply::SendAck(a)) if !a.duplicate && large.contains(a.conversation_id.as_str()));
                     if let Some(frame) = connection_reply(req, result) {
-                        conn_replies.push((outbox, frame));
+                        if in_large { &mut bulk } else { &mut fast }
+                            .replies
+                            .push((outbox, frame));
                     }
                 }
                 ReplyTo::Nobody => {}
             }
         }
-        if delivery
-            .send(Delivery {
-                replies: conn_replies,
-                events,
-            })
-            .await
-            .is_err()
-        {
-            tracing::error!("delivery task is gone");
+        for e in events {
+            let in_large = matches!(&e, Event::Message { message, .. } if large.contains(&message.conversation_id));
+            if in_large { &mut bulk } else { &mut fast }.events.push(e);
+        }
+        let fast_ok = fast.is_empty() || delivery.fast.send(fast).await.is_ok();
+        let bulk_ok = bulk.is_empty() || delivery.bulk.send(bulk).await.is_ok();
+        if !(fast_ok && bulk_ok) {
+            tracing::error!("a delivery task is gone");
             return;
         }
     }
@@ -267,6 +305,12 @@ pub fn error_frame(req: Option<i64>, e: &PipelineError) -> String {
         retry_after_ms: None,
     }
     .to_json()
+}
+
+impl Delivery {
+    fn is_empty(&self) -> bool {
+        self.replies.is_empty() && self.events.is_empty()
+    }
 }
 
 async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
