@@ -686,6 +686,7 @@ pub fn evaluate(reports: Vec<ConnReport>) -> Outcome {
         out.acked += seqs.len() as u64;
     }
     let mut done: HashMap<&str, HashMap<u64, (u32, u64)>> = HashMap::new();
+    let mut failures = 0;
     for r in &reports {
         out.checks.duplicated += r.duplicated;
         out.checks.out_of_order += r.out_of_order;
@@ -695,7 +696,10 @@ pub fn evaluate(reports: Vec<ConnReport>) -> Outcome {
         }
         if let Some(f) = &r.failure {
             out.checks.error("connection failed", 1);
-            super::note(format!("user {}: {f}", r.user));
+            failures += 1;
+            if failures <= 5 {
+                super::note(format!("user {}: {f}", r.user));
+            }
         }
         if r.online_throughout {
             for conv in &r.expect {
@@ -718,6 +722,9 @@ pub fn evaluate(reports: Vec<ConnReport>) -> Outcome {
                 e.1 += 1;
             }
         }
+    }
+    if failures > 5 {
+        super::note(format!("... and {} more failed connections", failures - 5));
     }
     for (conv, per) in &done {
         let Some((fanout, seqs)) = acked.get(*conv) else {
