@@ -42,7 +42,7 @@ impl WsConn {
     pub async fn connect_request(
         req: tokio_tungstenite::tungstenite::handshake::client::Request,
     ) -> Result<WsConn, ClientError> {
-        let (stream, _) = tokio_tungstenite::connect_async(req)
+        let (stream, _) = tokio_tungstenite::connect_async_with_config(req, None, true)
             .await
             .map_err(|e| match e {
                 tokio_tungstenite::tungstenite::Error::Http(resp) => {

@@ -50,8 +50,17 @@ struct Envelope {
 #[derive(Clone)]
 pub struct Pipeline {
     tx: mpsc::Sender<Envelope>,
+    /// Sends into large conversations wait here, so a flood cannot fill the queue ahead of
+    /// single chats; each batch takes at most [`BULK_PER_BATCH`] of them.
+    bulk_tx: mpsc::Sender<Envelope>,
+    /// Conversations that have been large (sticky, so a conversation's sends never move back
+    /// to the fast queue behind its own earlier sends).
+    large: Arc<std::sync::RwLock<std::collections::HashSet<pigeon_proto::ConversationId>>>,
     stats: Arc<PipelineStats>,
 }
+
+/// Most sends into large conversations decided in one batch.
+pub const BULK_PER_BATCH: usize = 64;
 
 /// Counts of what the pipeline committed since start: what tests and operators use to see
 /// that writes grow with the work asked for (not, say, with members × messages).
@@ -107,6 +116,8 @@ impl Pipeline {
         hub: Arc<Hub>,
     ) -> (Pipeline, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
+        let (bulk_in, bulk_rx_in) = mpsc::channel(QUEUE_CAPACITY);
+        let large = Arc::new(std::sync::RwLock::new(std::collections::HashSet::new()));
         let (fast_tx, fast_rx) = mpsc::channel(64);
         let (bulk_tx, bulk_rx) = mpsc::channel(1024);
         tokio::spawn(deliver(fast_rx, hub.clone()));
@@ -116,8 +127,21 @@ impl Pipeline {
             bulk: bulk_tx,
         };
         let stats = Arc::new(PipelineStats::default());
-        let handle = tokio::spawn(run(store, engine, rx, dtx, stats.clone()));
-        (Pipeline { tx, stats }, handle)
+        let queues = Queues {
+            fast: rx,
+            bulk: bulk_rx_in,
+            large: large.clone(),
+        };
+        let handle = tokio::spawn(run(store, engine, queues, dtx, stats.clone()));
+        (
+            Pipeline {
+                tx,
+                bulk_tx: bulk_in,
+                large,
+                stats,
+            },
+            handle,
+        )
     }
 
     pub fn stats(&self) -> &PipelineStats {
@@ -133,7 +157,14 @@ impl Pipeline {
 
     /// Queues a command; waits only while the queue is full.
     pub async fn submit(&self, cmd: Command, reply: ReplyTo) -> Result<(), PipelineError> {
-        self.tx
+        let bulk = match &cmd {
+            Command::Send(pigeon_core::command::SendCommand {
+                to: pigeon_core::command::SendTo::Conversation(c),
+                ..
+            }) => self.large.read().expect("large set lock").contains(c),
+            _ => false,
+        };
+        if bulk { &self.bulk_tx } else { &self.tx }
             .send(Envelope { cmd, reply })
             .await
             .map_err(|_| PipelineError::Unavailable)
@@ -157,15 +188,57 @@ struct Delivery {
     events: Vec<Event>,
 }
 
+/// The pipeline's inputs.
+struct Queues {
+    fast: mpsc::Receiver<Envelope>,
+    bulk: mpsc::Receiver<Envelope>,
+    large: Arc<std::sync::RwLock<std::collections::HashSet<pigeon_proto::ConversationId>>>,
+}
+
+impl Queues {
+    /// The next batch: everything waiting in the fast queue (up to [`MAX_BATCH`]); then, only
+    /// when the fast queue is empty, up to [`BULK_PER_BATCH`] sends into large conversations.
+    /// Empty when both queues are closed.
+    async fn next_batch(&mut self, batch: &mut Vec<Envelope>) {
+        let mut bulk = Vec::new();
+        tokio::select! {
+            biased;
+            _ = self.fast.recv_many(batch, MAX_BATCH) => {}
+            _ = self.bulk.recv_many(&mut bulk, BULK_PER_BATCH) => {}
+        }
+        while batch.len() < MAX_BATCH {
+            match self.fast.try_recv() {
+                Ok(e) => batch.push(e),
+                Err(_) => break,
+            }
+        }
+        // Bulk after fast: a conversation's earlier sends (queued fast before it became
+        // large) are always decided before its later ones.
+        if self.fast.is_empty() {
+            while bulk.len() < BULK_PER_BATCH {
+                match self.bulk.try_recv() {
+                    Ok(e) => bulk.push(e),
+                    Err(_) => break,
+                }
+            }
+        }
+        batch.extend(bulk);
+    }
+}
+
 async fn run(
     store: Arc<dyn Store>,
     mut engine: Engine,
-    mut rx: mpsc::Receiver<Envelope>,
+    mut queues: Queues,
     delivery: Tiers,
     stats: Arc<PipelineStats>,
 ) {
     let mut batch: Vec<Envelope> = Vec::with_capacity(MAX_BATCH);
-    while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
+    loop {
+        queues.next_batch(&mut batch).await;
+        if batch.is_empty() {
+            return;
+        }
         let started = Instant::now();
         let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) =
             batch.drain(..).map(|e| (e.cmd, e.reply)).unzip();
@@ -200,6 +273,23 @@ async fn run(
         metrics::histogram!("pigeon_batch_size").record(n as f64);
         metrics::histogram!("pigeon_commit_seconds").record(started.elapsed().as_secs_f64());
         stats.record(n, &counts);
+        {
+            let mut sticky = queues.large.write().expect("large set lock");
+            for e in &events {
+                if let Event::Message {
+                    message,
+                    recipients,
+                } = e
+                {
+                    if recipients.len() > LARGE_TIER_MEMBERS {
+                        if let Ok(c) = pigeon_proto::ConversationId::parse(&message.conversation_id)
+                        {
+                            sticky.insert(c);
+                        }
+                    }
+                }
+            }
+        }
         let large: std::collections::HashSet<String> = events
             .iter()
             .filter_map(|e| match e {

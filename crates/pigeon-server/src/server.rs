@@ -127,6 +127,12 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         limits: crate::limits::RateLimits::new(send_rate),
     });
     let router = crate::api::router(app.clone());
+    // Pushes are small frames: without TCP_NODELAY, Nagle and delayed ACKs hold them ~40 ms.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     tokio::spawn(crate::rooms::run_flusher(
         app.rooms.clone(),
         app.shutdown.subscribe(),

@@ -189,11 +189,28 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
     }
     let heartbeat = Duration::from_millis(app.cfg.heartbeat_ms);
     let retry = Duration::from_millis(app.cfg.push_retry_ms);
-    let tick_every = (retry / 4).clamp(Duration::from_millis(10), Duration::from_millis(1000));
-    let mut tick = tokio::time::interval(tick_every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let resend_check = (retry / 4).clamp(Duration::from_millis(10), Duration::from_millis(1000));
+    // One timer per connection, armed only as often as there is something to do: resends
+    // while pushes are unacknowledged, a cursor flush while one is pending, otherwise just
+    // the heartbeat check. Idle connections wake twice a heartbeat, not four times a retry.
+    let next_wake = |conn: &Connection| {
+        let wait = if !conn.unacked.is_empty() {
+            resend_check
+        } else if conn.cursors_dirty {
+            CURSOR_FLUSH_EVERY
+        } else {
+            heartbeat / 2
+        };
+        tokio::time::Instant::now() + wait
+    };
+    let timer = tokio::time::sleep(heartbeat / 2);
+    tokio::pin!(timer);
     let kill = conn.outbox.kill.clone();
     let stop = loop {
+        let wanted = next_wake(&conn);
+        if wanted < timer.deadline() {
+            timer.as_mut().reset(wanted);
+        }
         tokio::select! {
             biased;
             _ = kill.notified() => {
@@ -264,7 +281,8 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                     break Stop::Gone;
                 }
             }
-            _ = tick.tick() => {
+            _ = &mut timer => {
+                timer.as_mut().reset(tokio::time::Instant::now() + heartbeat / 2);
                 if conn.last_seen.elapsed() > heartbeat * 2 {
                     break Stop::Close(1001, "heartbeat timeout");
                 }
