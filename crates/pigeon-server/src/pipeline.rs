@@ -243,12 +243,14 @@ async fn run(
         let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) =
             batch.drain(..).map(|e| (e.cmd, e.reply)).unzip();
         let n = cmds.len();
+        let load_started = Instant::now();
         if let Err(e) = load(&*store, &mut engine, &cmds).await {
             tracing::error!(error = %e, batch = n, "loading state failed; batch refused");
             engine.reset();
             answer_all_unavailable(replies);
             continue;
         }
+        metrics::histogram!("pigeon_load_seconds").record(load_started.elapsed().as_secs_f64());
         let now = now_ms();
         let mut changes = Changes::default();
         let mut events = Vec::new();
@@ -258,6 +260,7 @@ async fn run(
             .collect();
         engine.seal(&mut changes);
         let counts = BatchCounts::of(&changes);
+        let commit_started = Instant::now();
         let committed = if changes.is_empty() {
             Ok(())
         } else {
@@ -269,6 +272,8 @@ async fn run(
             answer_all_unavailable(replies);
             continue;
         }
+        metrics::histogram!("pigeon_store_commit_seconds")
+            .record(commit_started.elapsed().as_secs_f64());
         engine.finish_batch();
         metrics::histogram!("pigeon_batch_size").record(n as f64);
         metrics::histogram!("pigeon_commit_seconds").record(started.elapsed().as_secs_f64());

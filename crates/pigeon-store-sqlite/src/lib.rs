@@ -75,16 +75,45 @@ impl SqliteStore {
             .pragma_update(None, "cache_size", -64_000)
             .map_err(err)?;
         writer
+            .pragma_update(None, "mmap_size", 268_435_456)
+            .map_err(err)?;
+        writer
             .pragma_update(None, "wal_autocheckpoint", 4000)
             .map_err(err)?;
         schema::migrate(&mut writer).map_err(err)?;
-        Ok(SqliteStore {
+        let store = SqliteStore {
             inner: Arc::new(Inner {
                 path,
                 writer: Mutex::new(writer),
                 readers: Mutex::new(Vec::new()),
             }),
-        })
+        };
+        store.start_checkpointer()?;
+        Ok(store)
+    }
+
+    /// Checkpoints the WAL from its own connection and thread, so that the pages are mostly
+    /// copied into the database file by the time the writer's own automatic checkpoint (which
+    /// also restarts the WAL) runs inside a commit. PASSIVE never blocks the writer or the
+    /// readers. The thread ends with the store.
+    fn start_checkpointer(&self) -> Result<(), StoreError> {
+        let conn = Connection::open(&self.inner.path).map_err(err)?;
+        conn.pragma_update(None, "busy_timeout", 5000)
+            .map_err(err)?;
+        let store = Arc::downgrade(&self.inner);
+        std::thread::Builder::new()
+            .name("pigeon-checkpoint".into())
+            .spawn(move || {
+                while store.upgrade().is_some() {
+                    std::thread::sleep(std::time::Duration::from_millis(500));
+                    if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                    {
+                        tracing::warn!(error = %e, "wal checkpoint failed");
+                    }
+                }
+            })
+            .map_err(err)?;
+        Ok(())
     }
 
     fn open_reader(&self) -> Result<Connection, StoreError> {
