@@ -93,10 +93,10 @@ impl App {
         from: Option<u64>,
     ) -> ApiResult<(u64, u64)> {
         let m = self.membership(user, conv).await?;
-        if let (Some(left), Some(from)) = (m.left_seq, from) {
-            if from > left {
-                return Err(ApiError::not_member());
-            }
+        if let (Some(left), Some(from)) = (m.left_seq, from)
+            && from > left
+        {
+            return Err(ApiError::not_member());
         }
         Ok(visible_range(m.joined_seq, m.left_seq, m.conversation_seq))
     }

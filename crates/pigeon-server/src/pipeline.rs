@@ -51,16 +51,25 @@ struct Envelope {
 pub struct Pipeline {
     tx: mpsc::Sender<Envelope>,
     /// Sends into large conversations wait here, so a flood cannot fill the queue ahead of
-    /// single chats; each batch takes at most [`BULK_PER_BATCH`] of them.
+    /// single chats; each batch takes at most [`BULK_BUDGET`] of work from it.
     bulk_tx: mpsc::Sender<Envelope>,
     /// Conversations that have been large (sticky, so a conversation's sends never move back
     /// to the fast queue behind its own earlier sends).
-    large: Arc<std::sync::RwLock<std::collections::HashSet<pigeon_proto::ConversationId>>>,
+    large: LargeConversations,
     stats: Arc<PipelineStats>,
 }
 
-/// Most sends into large conversations decided in one batch.
-pub const BULK_PER_BATCH: usize = 64;
+/// The work one batch may take from the bulk queue, in rows: a send into a write fan-out
+/// conversation costs one inbox row per member, into a read fan-out one a twentieth of its
+/// members (the pushes). Small enough that a batch carrying a flood still commits in a few
+/// milliseconds, so single chats in the same batch are not held up.
+pub const BULK_BUDGET: u64 = 1600;
+
+/// Conversations that have been large, with what one send into each costs (see
+/// [`BULK_BUDGET`]). Sticky, so a conversation's sends never move back to the fast queue
+/// behind its own earlier sends.
+type LargeConversations =
+    Arc<std::sync::RwLock<std::collections::HashMap<pigeon_proto::ConversationId, u64>>>;
 
 /// Counts of what the pipeline committed since start: what tests and operators use to see
 /// that writes grow with the work asked for (not, say, with members × messages).
@@ -117,7 +126,7 @@ impl Pipeline {
     ) -> (Pipeline, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let (bulk_in, bulk_rx_in) = mpsc::channel(QUEUE_CAPACITY);
-        let large = Arc::new(std::sync::RwLock::new(std::collections::HashSet::new()));
+        let large = LargeConversations::default();
         let (fast_tx, fast_rx) = mpsc::channel(64);
         let (bulk_tx, bulk_rx) = mpsc::channel(1024);
         tokio::spawn(deliver(fast_rx, hub.clone()));
@@ -161,7 +170,7 @@ impl Pipeline {
             Command::Send(pigeon_core::command::SendCommand {
                 to: pigeon_core::command::SendTo::Conversation(c),
                 ..
-            }) => self.large.read().expect("large set lock").contains(c),
+            }) => self.large.read().expect("large set lock").contains_key(c),
             _ => false,
         };
         if bulk { &self.bulk_tx } else { &self.tx }
@@ -192,19 +201,19 @@ struct Delivery {
 struct Queues {
     fast: mpsc::Receiver<Envelope>,
     bulk: mpsc::Receiver<Envelope>,
-    large: Arc<std::sync::RwLock<std::collections::HashSet<pigeon_proto::ConversationId>>>,
+    large: LargeConversations,
 }
 
 impl Queues {
     /// The next batch: everything waiting in the fast queue (up to [`MAX_BATCH`]); then, only
-    /// when the fast queue is empty, up to [`BULK_PER_BATCH`] sends into large conversations.
+    /// when the fast queue is empty, sends into large conversations up to [`BULK_BUDGET`].
     /// Empty when both queues are closed.
     async fn next_batch(&mut self, batch: &mut Vec<Envelope>) {
         let mut bulk = Vec::new();
         tokio::select! {
             biased;
             _ = self.fast.recv_many(batch, MAX_BATCH) => {}
-            _ = self.bulk.recv_many(&mut bulk, BULK_PER_BATCH) => {}
+            _ = self.bulk.recv_many(&mut bulk, 1) => {}
         }
         while batch.len() < MAX_BATCH {
             match self.fast.try_recv() {
@@ -215,14 +224,34 @@ impl Queues {
         // Bulk after fast: a conversation's earlier sends (queued fast before it became
         // large) are always decided before its later ones.
         if self.fast.is_empty() {
-            while bulk.len() < BULK_PER_BATCH {
+            let mut spent: u64 = bulk.iter().map(|e| self.cost(&e.cmd)).sum();
+            while spent < BULK_BUDGET {
                 match self.bulk.try_recv() {
-                    Ok(e) => bulk.push(e),
+                    Ok(e) => {
+                        spent += self.cost(&e.cmd);
+                        bulk.push(e);
+                    }
                     Err(_) => break,
                 }
             }
         }
         batch.extend(bulk);
+    }
+
+    fn cost(&self, cmd: &Command) -> u64 {
+        match cmd {
+            Command::Send(pigeon_core::command::SendCommand {
+                to: pigeon_core::command::SendTo::Conversation(c),
+                ..
+            }) => self
+                .large
+                .read()
+                .expect("large set lock")
+                .get(c)
+                .copied()
+                .unwrap_or(1),
+            _ => 1,
+        }
     }
 }
 
@@ -285,13 +314,12 @@ async fn run(
                     message,
                     recipients,
                 } = e
+                    && recipients.len() > LARGE_TIER_MEMBERS
+                    && let Ok(c) = pigeon_proto::ConversationId::parse(&message.conversation_id)
                 {
-                    if recipients.len() > LARGE_TIER_MEMBERS {
-                        if let Ok(c) = pigeon_proto::ConversationId::parse(&message.conversation_id)
-                        {
-                            sticky.insert(c);
-                        }
-                    }
+                    let write_fanout = recipients.first().is_some_and(|r| r.user_seq.is_some());
+                    let n = recipients.len() as u64;
+                    sticky.insert(c, if write_fanout { n } else { (n / 20).max(1) });
                 }
             }
         }

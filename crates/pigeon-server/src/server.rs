@@ -147,7 +147,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
                 _ = tick.tick() => {
                     hub.flush_receipts();
                     ticks += 1;
-                    if ticks % 240 == 0 {
+                    if ticks.is_multiple_of(240) {
                         limits_app.limits.forget_idle();
                     }
                 }
