@@ -45,6 +45,9 @@ pub async fn run(a: Args) -> Res<ExitCode> {
 }
 
 /// Sends `frame` with `req` and waits for the frame answering it.
+/// Pull pages asked for ahead of the one being read.
+const PULL_WINDOW: usize = 4;
+
 async fn request(ws: &mut WsConn, mut frame: Value, req: i64) -> Res<Value> {
     frame["req"] = json!(req);
     ws.send(&frame).await.map_err(|e| e.to_string())?;
@@ -135,15 +138,33 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
     };
     let (mut next, mut pulled, mut pages, mut holes) = (cursor + 1, 0u64, 0u64, 0u64);
     let mut first_page_ms = None;
+    // The range is known from sync: keep PULL_WINDOW pages asked for ahead, so the round trips
+    // overlap (the server answers one connection's frames in order).
+    let page_len = a.page.clamp(1, 200);
     let mut req = 2;
-    while next <= newest {
-        let page = request(
-            &mut ws,
-            json!({"type": "pull", "chain": "user", "from": next, "to": newest, "limit": a.page}),
-            req,
-        )
-        .await?;
-        req += 1;
+    let mut asked_to = cursor;
+    let mut outstanding: std::collections::VecDeque<i64> = std::collections::VecDeque::new();
+    loop {
+        while outstanding.len() < PULL_WINDOW && asked_to < newest {
+            let from = asked_to + 1;
+            let to = (from + page_len - 1).min(newest);
+            let frame = json!({"type": "pull", "req": req, "chain": "user", "from": from, "to": to, "limit": page_len});
+            ws.send(&frame).await.map_err(|e| e.to_string())?;
+            outstanding.push_back(req);
+            req += 1;
+            asked_to = to;
+        }
+        let Some(want) = outstanding.pop_front() else {
+            break;
+        };
+        let page = ws
+            .recv_until(WAIT, |v| v["req"] == json!(want))
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("no answer to pull {want}"))?;
+        if page["type"] == "error" {
+            return Err(format!("pull {want} answered {page}"));
+        }
         pages += 1;
         first_page_ms.get_or_insert(t0.elapsed().as_secs_f64() * 1000.0);
         let items = page["items"].as_array().cloned().unwrap_or_default();
@@ -162,9 +183,6 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
                 reader_report.duplicated += u64::from(!new);
                 reader_report.out_of_order += u64::from(ooo);
             }
-        }
-        if items.is_empty() || page["has_more"] != true {
-            break;
         }
     }
     let catchup_secs = t0.elapsed().as_secs_f64();
