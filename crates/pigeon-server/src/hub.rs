@@ -4,6 +4,7 @@
 //! the server hold more memory.
 
 use crate::webhook::{Notice, OfflineHook};
+use axum::extract::ws::Utf8Bytes;
 use pigeon_core::changes::Event;
 use pigeon_proto::frames::{ServerFrame, msg_frame};
 use pigeon_proto::{ConversationId, DeviceId, UserId};
@@ -19,9 +20,10 @@ pub const OUTBOX_CAPACITY: usize = 4096;
 #[derive(Debug)]
 pub enum Outgoing {
     /// A frame sent once.
-    Frame(String),
-    /// A message push, kept until acknowledged and resent if it is not.
-    Push { chain: PushChain, frame: String },
+    Frame(Utf8Bytes),
+    /// A message push, kept until acknowledged and resent if it is not. The text is shared
+    /// (reference-counted) by every recipient that gets the same bytes.
+    Push { chain: PushChain, frame: Utf8Bytes },
 }
 
 /// The chain position a push is acknowledged by.
@@ -210,12 +212,13 @@ impl Hub {
         frame: &str,
         except: Option<(UserId, &DeviceId)>,
     ) {
+        let shared = Utf8Bytes::from(frame.to_owned());
         for u in users {
             self.each(*u, |c| {
                 if except.is_some_and(|(eu, ed)| eu == *u && *ed == c.device) {
                     return;
                 }
-                c.outbox.send(Outgoing::Frame(frame.to_owned()));
+                c.outbox.send(Outgoing::Frame(shared.clone()));
             });
         }
     }
@@ -230,6 +233,8 @@ impl Hub {
                 } => {
                     let json = serde_json::to_string(&*message).expect("messages serialise");
                     let conv = ConversationId::parse(&message.conversation_id).ok();
+                    // Read fan-out recipients all get the same bytes.
+                    let shared = Utf8Bytes::from(msg_frame(&json, None));
                     let notify_offline = self
                         .offline
                         .as_ref()
@@ -241,7 +246,10 @@ impl Hub {
                             (None, Some(c)) => PushChain::Conversation(c.clone(), message.seq),
                             (None, None) => continue,
                         };
-                        let frame = msg_frame(&json, r.user_seq);
+                        let frame = match r.user_seq {
+                            Some(_) => Utf8Bytes::from(msg_frame(&json, r.user_seq)),
+                            None => shared.clone(),
+                        };
                         let mut online = false;
                         self.each(r.user, |c| {
                             online = true;
@@ -311,7 +319,7 @@ impl Hub {
                     }
                     .to_json();
                     self.each(user, |c| {
-                        c.outbox.send(Outgoing::Frame(frame.clone()));
+                        c.outbox.send(Outgoing::Frame(frame.clone().into()));
                         c.outbox.close(KillReason::TokenRevoked);
                     });
                 }

@@ -396,10 +396,9 @@ fn answer_all_unavailable(replies: Vec<ReplyTo>) {
                 let _ = tx.send(Err(PipelineError::Unavailable));
             }
             ReplyTo::Connection { outbox, req } => {
-                outbox.send(Outgoing::Frame(error_frame(
-                    req,
-                    &PipelineError::Unavailable,
-                )));
+                outbox.send(Outgoing::Frame(
+                    error_frame(req, &PipelineError::Unavailable).into(),
+                ));
             }
             ReplyTo::Nobody => {}
         }
@@ -439,7 +438,7 @@ impl Delivery {
 async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
     while let Some(d) = rx.recv().await {
         for (outbox, frame) in d.replies {
-            outbox.send(Outgoing::Frame(frame));
+            outbox.send(Outgoing::Frame(frame.into()));
         }
         hub.publish(d.events);
     }

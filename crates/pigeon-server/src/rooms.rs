@@ -63,7 +63,7 @@ impl Rooms {
             .ok_or(RoomError::NotFound)?;
         let frame = serde_json::json!({"type": "room_closed", "room_id": id}).to_string();
         for outbox in room.viewers.values() {
-            outbox.send(Outgoing::Frame(frame.clone()));
+            outbox.send(Outgoing::Frame(frame.clone().into()));
         }
         Ok(())
     }
@@ -127,7 +127,7 @@ impl Rooms {
         for (room_id, messages, viewers) in out {
             let frame = ServerFrame::RoomMsgs { room_id, messages }.to_json();
             for v in viewers {
-                v.send(Outgoing::Frame(frame.clone()));
+                v.send(Outgoing::Frame(frame.clone().into()));
             }
         }
     }

@@ -8,7 +8,7 @@ use crate::auth::bearer;
 use crate::error::ApiError;
 use crate::hub::{KillReason, Outbox, Outgoing, PushChain};
 use crate::pipeline::{ReplyTo, now_ms};
-use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{CloseFrame, Message as WsMessage, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
@@ -113,7 +113,7 @@ async fn authorize(
 }
 
 struct Pending {
-    frame: String,
+    frame: Utf8Bytes,
     sent_at: Instant,
     tries: u8,
 }
@@ -217,7 +217,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                 // Write what is queued (a `kicked` frame) before closing.
                 while let Ok(out) = out_rx.try_recv() {
                     if let Some(frame) = conn.frame_to_write(out) {
-                        let _ = sink.feed(WsMessage::Text(frame.into())).await;
+                        let _ = sink.feed(WsMessage::Text(frame)).await;
                     }
                 }
                 let reason = *conn.outbox.kill_reason.lock().expect("kill reason lock");
@@ -233,7 +233,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                 let mut failed = false;
                 while let Some(out) = next.take() {
                     if let Some(frame) = conn.frame_to_write(out)
-                        && sink.feed(WsMessage::Text(frame.into())).await.is_err() {
+                        && sink.feed(WsMessage::Text(frame)).await.is_err() {
                             failed = true;
                             break;
                         }
@@ -289,7 +289,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                 let resend = conn.due_resends(retry);
                 let mut ok = true;
                 for frame in resend {
-                    if sink.feed(WsMessage::Text(frame.into())).await.is_err() {
+                    if sink.feed(WsMessage::Text(frame)).await.is_err() {
                         ok = false;
                         break;
                     }
@@ -330,7 +330,7 @@ fn is_too_big(e: &axum::Error) -> bool {
 
 impl Connection {
     /// The text to write for an outbox entry; pushes are remembered until acknowledged.
-    fn frame_to_write(&mut self, out: Outgoing) -> Option<String> {
+    fn frame_to_write(&mut self, out: Outgoing) -> Option<Utf8Bytes> {
         match out {
             Outgoing::Frame(f) => Some(f),
             Outgoing::Push { chain, frame } => {
@@ -352,7 +352,7 @@ impl Connection {
 
     /// Pushes unacknowledged for longer than `retry`, to send again; those tried enough are
     /// dropped (the client finds the hole and pulls).
-    fn due_resends(&mut self, retry: Duration) -> Vec<String> {
+    fn due_resends(&mut self, retry: Duration) -> Vec<Utf8Bytes> {
         let now = Instant::now();
         let mut out = Vec::new();
         self.unacked.retain(|_, p| {
