@@ -148,6 +148,4 @@ pub enum Event {
     },
     /// The user's tokens were revoked: close their connections.
     LoggedOut { user: UserId },
-    /// A user's inbox grew (wakes long polls); carries the new head.
-    InboxAdvanced { user: UserId, user_seq: u64 },
 }

@@ -2,7 +2,7 @@
 //! truth; this is a cache of it that only the engine's owner mutates.
 
 use pigeon_proto::views::{Fanout, Role};
-use pigeon_proto::{ConversationId, Message, MessageKind, MessageStatus, MsgId, UserId};
+use pigeon_proto::{ConversationId, MsgId, UserId};
 use std::collections::HashMap;
 
 /// A current member of a conversation.
@@ -59,20 +59,5 @@ impl ConversationState {
         } else {
             Fanout::Read
         }
-    }
-}
-
-/// What the engine needs of a stored message to recall, edit or delete it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MessageState {
-    pub message: Message,
-}
-
-impl MessageState {
-    pub fn kind(&self) -> MessageKind {
-        self.message.kind
-    }
-    pub fn status(&self) -> MessageStatus {
-        self.message.status
     }
 }

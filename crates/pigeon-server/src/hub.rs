@@ -191,13 +191,6 @@ impl Hub {
         }
     }
 
-    pub fn is_online(&self, user: UserId) -> bool {
-        self.shard(user)
-            .read()
-            .expect("hub shard lock")
-            .contains_key(&user)
-    }
-
     /// Calls `f` with each connected device of `user`.
     fn each(&self, user: UserId, mut f: impl FnMut(&Conn)) {
         if let Some(conns) = self.shard(user).read().expect("hub shard lock").get(&user) {
@@ -323,7 +316,6 @@ impl Hub {
                         c.outbox.close(KillReason::TokenRevoked);
                     });
                 }
-                Event::InboxAdvanced { user, .. } => self.wake(user),
             }
         }
     }
