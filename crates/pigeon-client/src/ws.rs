@@ -101,6 +101,17 @@ impl WsConn {
 
     /// The next JSON frame, `None` when the connection closed or `wait` passed.
     pub async fn recv(&mut self, wait: Duration) -> Result<Option<Value>, ClientError> {
+        match self.recv_text(wait).await? {
+            Some(t) => serde_json::from_str(&t)
+                .map(Some)
+                .map_err(|e| ClientError::Decode(e.to_string())),
+            None => Ok(None),
+        }
+    }
+
+    /// The next text frame as it came (for callers that parse it into their own types),
+    /// `None` when the connection closed or `wait` passed.
+    pub async fn recv_text(&mut self, wait: Duration) -> Result<Option<String>, ClientError> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let next = match tokio::time::timeout_at(deadline, self.stream.next()).await {
@@ -110,11 +121,7 @@ impl WsConn {
             match next {
                 None => return Ok(None),
                 Some(Err(e)) => return Err(transport(e)),
-                Some(Ok(Message::Text(t))) => {
-                    return serde_json::from_str(t.as_str())
-                        .map(Some)
-                        .map_err(|e| ClientError::Decode(e.to_string()));
-                }
+                Some(Ok(Message::Text(t))) => return Ok(Some(t.as_str().to_owned())),
                 Some(Ok(Message::Close(frame))) => {
                     self.closed_with = frame
                         .map(|CloseFrame { code, reason }| (u16::from(code), reason.to_string()));

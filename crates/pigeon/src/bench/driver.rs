@@ -336,8 +336,11 @@ async fn drive(
         }
         let deadline = d.next_wake(&c, now);
         tokio::select! {
-            got = ws.recv(deadline.saturating_duration_since(now)) => match got {
-                Ok(Some(frame)) => d.handle(frame),
+            got = ws.recv_text(deadline.saturating_duration_since(now)) => match got {
+                Ok(Some(text)) => match serde_json::from_str::<Incoming>(&text) {
+                    Ok(frame) => d.handle(frame, &text),
+                    Err(e) => d.fail(format!("unparsable frame ({e}): {text}")),
+                },
                 Ok(None) => {
                     if Instant::now() + Duration::from_millis(1) < deadline {
                         let why = match &ws.closed_with {
@@ -522,26 +525,26 @@ impl Driver {
         }
     }
 
-    fn handle(&mut self, frame: Value) {
-        match frame["type"].as_str() {
-            Some("msg") => self.on_push(&frame),
-            Some("send_ack") => self.on_send_ack(&frame),
-            Some("error") => self.on_error(&frame),
-            Some("kicked") => self.fail(format!("kicked: {}", frame["reason"])),
+    fn handle(&mut self, frame: Incoming, text: &str) {
+        match frame.kind.as_ref() {
+            "msg" => self.on_push(&frame, text),
+            "send_ack" => self.on_send_ack(&frame, text),
+            "error" => self.on_error(&frame, text),
+            "kicked" => self.fail(format!("kicked: {text}")),
             _ => {}
         }
     }
 
-    fn on_push(&mut self, frame: &Value) {
-        let m = &frame["message"];
-        let (Some(conv), Some(seq)) = (m["conversation_id"].as_str(), m["seq"].as_u64()) else {
-            self.fail(format!("malformed push: {frame}"));
+    fn on_push(&mut self, frame: &Incoming, text: &str) {
+        let Some(m) = &frame.message else {
+            self.fail(format!("malformed push: {text}"));
             return;
         };
+        let (conv, seq) = (m.conversation_id.as_ref(), m.seq);
         let now = now_us();
         let track = self.r.convs.entry(conv.to_owned()).or_default();
         let (new, ooo) = track.record(seq);
-        match frame.get("user_seq").and_then(Value::as_u64) {
+        match frame.user_seq {
             // Through the inbox: acknowledged cumulatively up to where the inbox is complete.
             Some(us) => {
                 self.inbox.insert(us);
@@ -559,15 +562,15 @@ impl Driver {
         if ooo {
             self.r.out_of_order += 1;
         }
-        if m["kind"] != "text" {
+        if m.kind != "text" {
             return;
         }
-        let Some(sent_us) = m["content"].as_str().and_then(sent_us_of) else {
+        let Some(sent_us) = sent_us_of(&m.content) else {
             return;
         };
         let k = &self.sh.counters;
         k.deliveries.fetch_add(1, Relaxed);
-        if m["sender"].as_u64() == Some(self.user) {
+        if m.sender == self.user {
             return;
         }
         k.delivered.fetch_add(1, Relaxed);
@@ -583,17 +586,16 @@ impl Driver {
         }
     }
 
-    fn on_send_ack(&mut self, frame: &Value) {
-        let Some(req) = frame["req"].as_i64() else {
+    fn on_send_ack(&mut self, frame: &Incoming, text: &str) {
+        let Some(req) = frame.req else {
             return;
         };
         let Some(f) = self.inflight.remove(&req) else {
             return;
         };
         self.retries.retain(|(_, r)| *r != req);
-        let (Some(conv), Some(seq)) = (frame["conversation_id"].as_str(), frame["seq"].as_u64())
-        else {
-            self.fail(format!("malformed send_ack: {frame}"));
+        let (Some(conv), Some(seq)) = (frame.conversation_id.as_deref(), frame.seq) else {
+            self.fail(format!("malformed send_ack: {text}"));
             return;
         };
         let lat = now_us().saturating_sub(f.sent_us).min(u64::from(u32::MAX)) as u32;
@@ -606,21 +608,15 @@ impl Driver {
         k.expected.fetch_add(self.r.fanout, Relaxed);
     }
 
-    fn on_error(&mut self, frame: &Value) {
-        let code = frame["code"].as_str().unwrap_or("?").to_owned();
-        let Some(req) = frame["req"]
-            .as_i64()
-            .filter(|r| self.inflight.contains_key(r))
-        else {
-            self.fail(format!("error frame: {frame}"));
+    fn on_error(&mut self, frame: &Incoming, text: &str) {
+        let code = frame.code.as_deref().unwrap_or("?").to_owned();
+        let Some(req) = frame.req.filter(|r| self.inflight.contains_key(r)) else {
+            self.fail(format!("error frame: {text}"));
             return;
         };
         if code == "rate_limited" || code == "unavailable" {
             // Safe to retry with the same client_msg_id (PROTOCOL.md section 1).
-            let wait = frame["retry_after_ms"]
-                .as_u64()
-                .unwrap_or(50)
-                .clamp(1, 5_000);
+            let wait = frame.retry_after_ms.unwrap_or(50).clamp(1, 5_000);
             self.retries
                 .push((Instant::now() + Duration::from_millis(wait), req));
             self.sh.counters.retried.fetch_add(1, Relaxed);
@@ -632,6 +628,36 @@ impl Driver {
         k.inflight.fetch_sub(1, Relaxed);
         k.errors.fetch_add(1, Relaxed);
     }
+}
+
+/// The fields of a server frame the load tool reads, parsed without building a JSON tree
+/// (the tool parses every push; a `serde_json::Value` per frame cost most of a core).
+#[derive(serde::Deserialize)]
+struct Incoming<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: std::borrow::Cow<'a, str>,
+    req: Option<i64>,
+    user_seq: Option<u64>,
+    #[serde(borrow)]
+    conversation_id: Option<std::borrow::Cow<'a, str>>,
+    seq: Option<u64>,
+    #[serde(borrow)]
+    code: Option<std::borrow::Cow<'a, str>>,
+    retry_after_ms: Option<u64>,
+    #[serde(borrow)]
+    message: Option<PushedMessage<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct PushedMessage<'a> {
+    #[serde(borrow)]
+    conversation_id: std::borrow::Cow<'a, str>,
+    seq: u64,
+    sender: u64,
+    #[serde(borrow)]
+    kind: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    content: std::borrow::Cow<'a, str>,
 }
 
 /// The progress line of the message scenarios: totals and the delivery rate of the last second.
