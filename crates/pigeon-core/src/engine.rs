@@ -1162,3 +1162,7 @@ fn tombstone(id: MsgId) -> Message {
 fn is_tombstone(m: &Message) -> bool {
     m.version == 0 && m.conversation_id.is_empty()
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

@@ -1,0 +1,321 @@
+//! The engine alone, without a store: what it decides for sequences of commands.
+
+use super::*;
+use crate::command::SendTo;
+use crate::store::{Loaded, Needs};
+use pigeon_proto::ClientMsgId;
+
+fn uid(n: u64) -> UserId {
+    UserId::new(n).unwrap()
+}
+
+const T0: i64 = 1_800_000_000_000;
+
+/// An engine that knows users 1..=n (registered, empty inboxes).
+fn engine(n: u64, write_max: u64) -> Engine {
+    let cfg = EngineConfig {
+        fanout_write_max_members: write_max,
+        recall_window_ms: 1000,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(cfg, 0);
+    let users: HashSet<UserId> = (1..=n).map(uid).collect();
+    let needs = Needs {
+        users: users.clone(),
+        ..Needs::default()
+    };
+    e.absorb(
+        Loaded {
+            users,
+            ..Loaded::default()
+        },
+        &needs,
+    );
+    e
+}
+
+fn send(
+    e: &mut Engine,
+    from: u64,
+    to: SendTo,
+    cmid: &str,
+    ch: &mut Changes,
+    ev: &mut Vec<Event>,
+) -> Result<Reply, DomainError> {
+    let cmd = Command::Send(SendCommand {
+        sender: uid(from),
+        to,
+        client_msg_id: ClientMsgId::parse(cmid).unwrap(),
+        kind: MessageKind::Text,
+        content: "x".into(),
+        extra: serde_json::Value::Null,
+        reply_to: None,
+        mentions: vec![],
+    });
+    // A fresh conversation in this test is known to be absent.
+    for c in e.needs(std::slice::from_ref(&cmd)).conversations {
+        let needs = Needs {
+            conversations: [c.clone()].into(),
+            ..Needs::default()
+        };
+        e.absorb(
+            Loaded {
+                conversations: [(c, None)].into(),
+                ..Loaded::default()
+            },
+            &needs,
+        );
+    }
+    let needs = e.needs(std::slice::from_ref(&cmd));
+    e.absorb(Loaded::default(), &needs);
+    e.apply(cmd, T0, ch, ev)
+}
+
+fn group(
+    e: &mut Engine,
+    owner: u64,
+    members: &[u64],
+    ch: &mut Changes,
+    ev: &mut Vec<Event>,
+) -> ConversationId {
+    let cmd = Command::CreateGroup {
+        owner: uid(owner),
+        name: "g".into(),
+        members: members.iter().map(|m| uid(*m)).collect(),
+    };
+    match e.apply(cmd, T0, ch, ev).unwrap() {
+        Reply::Conversation(c) => c,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn ack(r: Result<Reply, DomainError>) -> SendAck {
+    match r.unwrap() {
+        Reply::SendAck(a) => a,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn seqs_and_user_seqs_are_contiguous_and_dedupe_holds_within_a_batch() {
+    let mut e = engine(3, 500);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let a1 = ack(send(&mut e, 1, SendTo::User(uid(2)), "a", &mut ch, &mut ev));
+    let a2 = ack(send(&mut e, 2, SendTo::User(uid(1)), "b", &mut ch, &mut ev));
+    let again = ack(send(&mut e, 1, SendTo::User(uid(2)), "a", &mut ch, &mut ev));
+    assert_eq!((a1.seq, a2.seq), (1, 2));
+    assert_eq!(a1.conversation_id, a2.conversation_id);
+    assert!(again.duplicate && again.msg_id == a1.msg_id && again.seq == 1);
+    assert_eq!(ch.messages.len(), 2, "the retry stores nothing");
+    let mut user1: Vec<u64> = ch
+        .inbox
+        .iter()
+        .filter(|i| i.user == uid(1))
+        .map(|i| i.user_seq)
+        .collect();
+    user1.sort();
+    assert_eq!(user1, vec![1, 2]);
+    assert!(a1.msg_id < a2.msg_id, "ids grow");
+}
+
+#[test]
+fn groups_over_the_threshold_use_read_fanout() {
+    let mut e = engine(4, 2);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let g = group(&mut e, 1, &[2, 3], &mut ch, &mut ev);
+    ev.clear();
+    ack(send(
+        &mut e,
+        2,
+        SendTo::Conversation(g.clone()),
+        "m",
+        &mut ch,
+        &mut ev,
+    ));
+    let Event::Message {
+        recipients,
+        message,
+    } = &ev[0]
+    else {
+        panic!()
+    };
+    assert_eq!(message.seq, 2);
+    assert_eq!(recipients.len(), 3);
+    assert!(
+        recipients.iter().all(|r| r.user_seq.is_none()),
+        "no inbox copies above the threshold"
+    );
+    assert!(
+        ch.inbox.iter().all(|i| i.seq != 2),
+        "the message has no inbox rows"
+    );
+}
+
+#[test]
+fn a_refused_command_changes_nothing() {
+    let mut e = engine(3, 500);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let g = group(&mut e, 1, &[2], &mut ch, &mut ev);
+    // End of that batch; the refusals below come in the next one.
+    e.seal(&mut ch);
+    e.finish_batch();
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let err = send(
+        &mut e,
+        3,
+        SendTo::Conversation(g.clone()),
+        "x",
+        &mut ch,
+        &mut ev,
+    )
+    .unwrap_err();
+    assert_eq!(err, DomainError::NotMember);
+    let err = e
+        .apply(
+            Command::RemoveMember {
+                actor: uid(2),
+                conversation: g.clone(),
+                user: uid(1),
+            },
+            T0,
+            &mut ch,
+            &mut ev,
+        )
+        .unwrap_err();
+    assert!(matches!(err, DomainError::Forbidden(_)));
+    e.seal(&mut ch);
+    assert!(ch.is_empty() && ev.is_empty(), "{ch:?}");
+    // And the next message still gets the next seq.
+    assert_eq!(
+        ack(send(
+            &mut e,
+            2,
+            SendTo::Conversation(g),
+            "y",
+            &mut ch,
+            &mut ev
+        ))
+        .seq,
+        2
+    );
+}
+
+#[test]
+fn a_kicked_member_gets_the_kick_and_nothing_after() {
+    let mut e = engine(3, 500);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let g = group(&mut e, 1, &[2, 3], &mut ch, &mut ev);
+    ev.clear();
+    e.apply(
+        Command::RemoveMember {
+            actor: uid(1),
+            conversation: g.clone(),
+            user: uid(3),
+        },
+        T0,
+        &mut ch,
+        &mut ev,
+    )
+    .unwrap();
+    let Event::Message {
+        recipients,
+        message,
+    } = &ev[0]
+    else {
+        panic!()
+    };
+    assert_eq!(message.kind, MessageKind::MemberKicked);
+    assert!(
+        recipients.iter().any(|r| r.user == uid(3)),
+        "the kicked member hears of it"
+    );
+    let row = &ch.members[&(g.clone(), uid(3))];
+    assert_eq!(row.left_seq, Some(message.seq));
+    ev.clear();
+    ack(send(
+        &mut e,
+        1,
+        SendTo::Conversation(g.clone()),
+        "after",
+        &mut ch,
+        &mut ev,
+    ));
+    let Event::Message { recipients, .. } = &ev[0] else {
+        panic!()
+    };
+    assert!(recipients.iter().all(|r| r.user != uid(3)));
+    assert_eq!(
+        send(&mut e, 3, SendTo::Conversation(g), "z", &mut ch, &mut ev).unwrap_err(),
+        DomainError::NotMember
+    );
+}
+
+#[test]
+fn recall_respects_the_window_except_for_group_managers() {
+    let mut e = engine(2, 500);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let g = group(&mut e, 1, &[2], &mut ch, &mut ev);
+    let a = ack(send(
+        &mut e,
+        2,
+        SendTo::Conversation(g),
+        "r",
+        &mut ch,
+        &mut ev,
+    ));
+    let msg = ch
+        .messages
+        .iter()
+        .find(|m| m.msg_id == a.msg_id)
+        .unwrap()
+        .clone();
+    let needs = Needs {
+        messages: [a.msg_id].into(),
+        ..Needs::default()
+    };
+    e.absorb(
+        Loaded {
+            messages: [(a.msg_id, msg)].into(),
+            ..Loaded::default()
+        },
+        &needs,
+    );
+    let late = T0 + 5000;
+    let err = e
+        .apply(
+            Command::Recall {
+                actor: uid(2),
+                msg_id: a.msg_id,
+            },
+            late,
+            &mut ch,
+            &mut ev,
+        )
+        .unwrap_err();
+    assert_eq!(err, DomainError::WindowExpired);
+    let Reply::Message(m) = e
+        .apply(
+            Command::Recall {
+                actor: uid(1),
+                msg_id: a.msg_id,
+            },
+            late,
+            &mut ch,
+            &mut ev,
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(m.status, MessageStatus::Recalled);
+    assert_eq!(
+        m.content, "",
+        "recalled content is gone from what is returned"
+    );
+    assert!(
+        ch.message_updates
+            .iter()
+            .any(|u| u.msg_id == a.msg_id && u.recalled.is_some() && u.content.is_none()),
+        "the original is kept in the store"
+    );
+}
