@@ -19,6 +19,10 @@ api() { curl -sf "http://127.0.0.1:$port$1" -H "Authorization: Bearer $key" -H '
 api /v1/admin/users '{"user_id":1,"name":"fuzz"}' >/dev/null
 api /v1/admin/users '{"user_id":2,"name":"peer"}' >/dev/null
 token=$(api /v1/admin/tokens '{"user_id":1}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["token"])')
+# Some data, so that reads answer real objects that the response schemas are checked against.
+as_user() { curl -sf "http://127.0.0.1:$port$1" -H "Authorization: Bearer $token" -H 'content-type: application/json' -d "$2"; }
+as_user /v1/messages '{"client_msg_id":"seed-1","to":{"user":2},"kind":"text","content":"hello"}' >/dev/null
+as_user /v1/groups '{"name":"seed","members":[2]}' >/dev/null
 schemathesis run "http://127.0.0.1:$port/openapi.json" \
   -H "Authorization: Bearer $token" \
   --max-examples "$examples" --seed 42 \

@@ -322,12 +322,12 @@ fn request_schema(method: &str, path: &str) -> Option<Value> {
             json!({"type": "object", "required": ["seq"], "properties": {"seq": {"type": "integer", "minimum": 0}}})
         }
         ("put", "/v1/conversations/{id}/settings") => json!({"type": "object",
-            "properties": {"pinned": {"type": "boolean"}, "muted": {"type": "boolean"}, "hidden": {"type": "boolean"}}}),
+            "properties": {"pinned": {"type": "boolean", "nullable": true}, "muted": {"type": "boolean", "nullable": true}, "hidden": {"type": "boolean", "nullable": true}}}),
         ("post", "/v1/groups") => {
             json!({"type": "object", "properties": {"name": {"type": "string"}, "members": ids}})
         }
         ("patch", "/v1/groups/{id}") => json!({"type": "object",
-            "properties": {"name": {"type": "string"}, "notice": {"type": "string"}, "avatar": {"type": "string"}}}),
+            "properties": {"name": {"type": "string", "nullable": true}, "notice": {"type": "string", "nullable": true}, "avatar": {"type": "string", "nullable": true}}}),
         ("post", "/v1/groups/{id}/members") => {
             json!({"type": "object", "required": ["user_ids"], "properties": {"user_ids": {"type": "array", "items": uid, "minItems": 1, "maxItems": 1000}}})
         }
@@ -339,6 +339,118 @@ fn request_schema(method: &str, path: &str) -> Option<Value> {
     })
 }
 
+fn schema_ref(name: &str) -> Value {
+    json!({"$ref": format!("#/components/schemas/{name}")})
+}
+
+/// The success body of each endpoint whose shape is the protocol's; the others are objects.
+fn response_schema(method: &str, path: &str) -> Value {
+    let list = |key: &str, item: &str| json!({"type": "object", "required": [key], "properties": {key: {"type": "array", "items": schema_ref(item)}}});
+    match (method, path) {
+        ("post", "/v1/messages") => schema_ref("SendAck"),
+        ("post", "/v1/messages/{msg_id}/recall")
+        | ("patch", "/v1/messages/{msg_id}")
+        | ("delete", "/v1/messages/{msg_id}")
+        | ("delete", "/v1/admin/messages/{msg_id}") => schema_ref("Message"),
+        ("get", "/v1/conversations/{id}")
+        | ("put", "/v1/conversations/{id}/settings")
+        | ("post", "/v1/groups")
+        | ("patch", "/v1/groups/{id}")
+        | ("post", "/v1/groups/{id}/members") => schema_ref("Conversation"),
+        ("get", "/v1/conversations") => {
+            json!({"type": "object", "required": ["conversations", "next_cursor"], "properties": {
+            "conversations": {"type": "array", "items": schema_ref("Conversation")},
+            "next_cursor": {"type": "string", "nullable": true}}})
+        }
+        ("get", "/v1/conversations/{id}/messages") => {
+            json!({"type": "object", "required": ["messages", "has_more"], "properties": {
+            "messages": {"type": "array", "items": schema_ref("Message")},
+            "has_more": {"type": "boolean"}}})
+        }
+        ("get", "/v1/conversations/{id}/messages/range") => list("messages", "Message"),
+        _ => json!({"type": "object"}),
+    }
+}
+
+/// The protocol's objects (PROTOCOL.md section 1 and 6), for the response descriptions.
+fn component_schemas() -> Value {
+    let int = json!({"type": "integer"});
+    let nullable_int = json!({"type": "integer", "nullable": true});
+    let nullable_str = json!({"type": "string", "nullable": true});
+    json!({
+        "Error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {
+                "code": {"type": "string", "enum": ["invalid_argument", "unauthorized", "forbidden", "not_member", "muted",
+                    "not_found", "conflict", "window_expired", "payload_too_large", "rate_limited", "unavailable", "internal"]},
+                "message": {"type": "string"},
+                "retry_after_ms": int
+            }
+        },
+        "Message": {
+            "type": "object",
+            "required": ["msg_id", "conversation_id", "seq", "sender", "client_msg_id", "kind", "content", "extra",
+                "reply_to", "mentions", "status", "version", "created_at", "edited_at"],
+            "properties": {
+                "msg_id": {"type": "string", "pattern": "^[0-9]+$"},
+                "conversation_id": {"type": "string"},
+                "seq": {"type": "integer", "minimum": 1},
+                "sender": {"type": "integer", "minimum": 1},
+                "client_msg_id": nullable_str,
+                "kind": {"type": "string", "enum": ["text", "image", "voice", "video", "file", "custom", "group_created",
+                    "member_invited", "member_kicked", "member_quit", "member_muted", "member_unmuted", "group_updated",
+                    "group_dismissed", "recall", "edit"]},
+                "content": {"type": "string"},
+                "extra": {"nullable": true},
+                "reply_to": {"type": "string", "nullable": true, "pattern": "^[0-9]+$"},
+                "mentions": {"type": "array", "items": int},
+                "status": {"type": "string", "enum": ["normal", "recalled", "deleted"]},
+                "version": {"type": "integer", "minimum": 1},
+                "created_at": int,
+                "edited_at": nullable_int
+            }
+        },
+        "SendAck": {
+            "type": "object",
+            "required": ["client_msg_id", "msg_id", "conversation_id", "seq", "created_at", "duplicate"],
+            "properties": {
+                "client_msg_id": {"type": "string"},
+                "msg_id": {"type": "string", "pattern": "^[0-9]+$"},
+                "conversation_id": {"type": "string"},
+                "seq": {"type": "integer", "minimum": 1},
+                "created_at": int,
+                "duplicate": {"type": "boolean"}
+            }
+        },
+        "Conversation": {
+            "type": "object",
+            "required": ["conversation_id", "type", "name", "member_count", "seq", "fanout", "last_message", "unread",
+                "last_read_seq", "pinned", "muted", "updated_at"],
+            "properties": {
+                "conversation_id": {"type": "string"},
+                "type": {"type": "string", "enum": ["single", "group"]},
+                "peer": int,
+                "name": nullable_str,
+                "member_count": int,
+                "seq": int,
+                "fanout": {"type": "string", "enum": ["write", "read"]},
+                "last_message": {"allOf": [schema_ref("Message")], "nullable": true},
+                "unread": int,
+                "last_read_seq": int,
+                "pinned": {"type": "boolean"},
+                "muted": {"type": "boolean"},
+                "updated_at": int,
+                "hidden": {"type": "boolean"},
+                "notice": nullable_str,
+                "avatar": nullable_str,
+                "owner": nullable_int,
+                "dismissed": {"type": "boolean"}
+            }
+        }
+    })
+}
+
 pub fn document() -> Value {
     let mut paths = Map::new();
     for (method, path, caller, summary) in ENDPOINTS {
@@ -346,7 +458,7 @@ pub fn document() -> Value {
         let content = match *path {
             "/" => json!({"text/html": {"schema": {"type": "string"}}}),
             "/metrics" => json!({"text/plain": {"schema": {"type": "string"}}}),
-            _ => json!({"application/json": {"schema": {"type": "object"}}}),
+            _ => json!({"application/json": {"schema": response_schema(method, path)}}),
         };
         let ok = if *path == "/v1/ws" { "101" } else { "200" };
         responses.insert(
@@ -397,17 +509,7 @@ pub fn document() -> Value {
                 "userToken": {"type": "http", "scheme": "bearer"},
                 "adminKey": {"type": "http", "scheme": "bearer"}
             },
-            "schemas": {
-                "Error": {
-                    "type": "object",
-                    "required": ["code", "message"],
-                    "properties": {
-                        "code": {"type": "string"},
-                        "message": {"type": "string"},
-                        "retry_after_ms": {"type": "integer"}
-                    }
-                }
-            }
+            "schemas": component_schemas()
         }
     })
 }
