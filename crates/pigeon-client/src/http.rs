@@ -122,6 +122,18 @@ impl Http {
         self.call(reqwest::Method::POST, path, Some(body)).await
     }
 
+    pub async fn put(&self, path: &str, body: Option<&Value>) -> Result<Value, ClientError> {
+        self.call(reqwest::Method::PUT, path, body).await
+    }
+
+    pub async fn patch(&self, path: &str, body: &Value) -> Result<Value, ClientError> {
+        self.call(reqwest::Method::PATCH, path, Some(body)).await
+    }
+
+    pub async fn delete(&self, path: &str) -> Result<Value, ClientError> {
+        self.call(reqwest::Method::DELETE, path, None).await
+    }
+
     /// Admin: registers (or updates) a user.
     pub async fn upsert_user(&self, user_id: u64, name: &str) -> Result<Value, ClientError> {
         self.post(

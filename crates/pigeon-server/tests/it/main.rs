@@ -180,3 +180,34 @@ pub fn send_frame(mut body: Value) -> Value {
     body["type"] = json!("send");
     body
 }
+
+/// Creates a group owned by `owner`; answers its conversation id.
+pub async fn new_group(owner: &Http, members: &[u64]) -> String {
+    let g = owner
+        .post("/v1/groups", &json!({"name": "team", "members": members}))
+        .await
+        .expect("group created");
+    g["conversation_id"].as_str().unwrap().to_owned()
+}
+
+/// The conversation's newest seq as `h` sees it.
+pub async fn newest_seq(h: &Http, conv: &str) -> u64 {
+    h.get(&format!("/v1/conversations/{conv}"))
+        .await
+        .expect("conversation")["seq"]
+        .as_u64()
+        .unwrap()
+}
+
+/// The message at `seq` in `h`'s view of the history.
+pub async fn at_seq(h: &Http, conv: &str, seq: u64) -> Value {
+    let page = h
+        .get(&format!(
+            "/v1/conversations/{conv}/messages/range?from={seq}&to={seq}"
+        ))
+        .await
+        .expect("range");
+    let msgs = page["messages"].as_array().unwrap();
+    assert_eq!(msgs.len(), 1, "one message at seq {seq}: {page}");
+    msgs[0].clone()
+}

@@ -1,18 +1,12 @@
 //! Changing sent messages (PROTOCOL.md 1 and 6): recall, edit, delete for me, admin delete.
 
 use crate::*;
-use reqwest::Method;
 use serde_json::json;
 
-async fn delete(h: &Http, path: &str) -> Result<Value, pigeon_client::ClientError> {
-    h.call(Method::DELETE, path, None).await
-}
-
 async fn edit(h: &Http, msg_id: &str, content: &str) -> Result<Value, pigeon_client::ClientError> {
-    h.call(
-        Method::PATCH,
+    h.patch(
         &format!("/v1/messages/{msg_id}"),
-        Some(&json!({"content": content})),
+        &json!({"content": content}),
     )
     .await
 }
@@ -29,19 +23,6 @@ async fn send(h: &Http, body: Value) -> (String, u64) {
         ack["msg_id"].as_str().unwrap().to_owned(),
         ack["seq"].as_u64().unwrap(),
     )
-}
-
-/// The message at `seq` as `h` reads it in history.
-async fn at_seq(h: &Http, conv: &str, seq: u64) -> Value {
-    let page = h
-        .get(&format!(
-            "/v1/conversations/{conv}/messages/range?from={seq}&to={seq}"
-        ))
-        .await
-        .expect("range");
-    let msgs = page["messages"].as_array().unwrap();
-    assert_eq!(msgs.len(), 1, "one message at seq {seq}: {page}");
-    msgs[0].clone()
 }
 
 /// The message `msg_id` in `h`'s newest history page (as a history read shows it).
@@ -207,7 +188,7 @@ async fn group_owner_and_admins_recall_any_message_at_any_time() {
         .unwrap();
     let gid = g["conversation_id"].as_str().unwrap().to_owned();
     alice
-        .call(Method::PUT, &format!("/v1/groups/{gid}/admins/222"), None)
+        .put(&format!("/v1/groups/{gid}/admins/222"), None)
         .await
         .unwrap();
     let (m1, s1) = send(&carol, text_to_conv("c1", &gid, "one")).await;
@@ -381,7 +362,7 @@ async fn delete_for_me_hides_the_message_only_for_the_caller() {
     let (m1, s1) = send(&alice, text_to_user("d1", 222, "keep")).await;
     let (m2, s2) = send(&alice, text_to_user("d2", 222, "hide me")).await;
 
-    let r = delete(&bob, &format!("/v1/messages/{m2}")).await.unwrap();
+    let r = bob.delete(&format!("/v1/messages/{m2}")).await.unwrap();
     assert_eq!(
         (r["status"].as_str(), r["content"].as_str()),
         (Some("deleted"), Some(""))
@@ -415,7 +396,7 @@ async fn delete_for_me_hides_the_message_only_for_the_caller() {
     let conv = alice.get("/v1/conversations/111-222").await.unwrap();
     assert_eq!(conv["seq"], 2);
     let carol = s.user(333).await;
-    let code = code_of(delete(&carol, &format!("/v1/messages/{m1}")).await);
+    let code = code_of(carol.delete(&format!("/v1/messages/{m1}")).await);
     assert!(code == "not_found" || code == "not_member", "{code}");
     let still = at_seq(&alice, "111-222", s1).await;
     assert_eq!(still["status"], "normal");
@@ -449,10 +430,12 @@ async fn admin_delete_removes_the_message_for_everyone_and_keeps_its_seq() {
     send(&bob, text_to_user("b1", 111, "three")).await;
 
     assert_eq!(
-        code_of(delete(&alice, &format!("/v1/admin/messages/{m2}")).await),
+        code_of(alice.delete(&format!("/v1/admin/messages/{m2}")).await),
         "unauthorized"
     );
-    let r = delete(&s.admin, &format!("/v1/admin/messages/{m2}"))
+    let r = s
+        .admin
+        .delete(&format!("/v1/admin/messages/{m2}"))
         .await
         .unwrap();
     assert_eq!(r["status"], "deleted");
@@ -482,7 +465,7 @@ async fn admin_delete_removes_the_message_for_everyone_and_keeps_its_seq() {
     assert!(edit(&alice, &m2, "again").await.is_err());
     assert!(recall(&alice, &m2).await.is_err());
     assert_eq!(
-        code_of(delete(&s.admin, "/v1/admin/messages/12345").await),
+        code_of(s.admin.delete("/v1/admin/messages/12345").await),
         "not_found"
     );
 }

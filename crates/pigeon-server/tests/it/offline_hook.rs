@@ -74,8 +74,7 @@ async fn offline_members_are_notified_online_and_muted_ones_are_not() {
     assert_eq!(n["unread_total"], 1);
     assert_eq!(n["seq"], 1);
     // Bob mutes the chat: no more notifications for it.
-    bob.call(
-        reqwest::Method::PUT,
+    bob.put(
         "/v1/conversations/1-2/settings",
         Some(&json!({"muted": true})),
     )

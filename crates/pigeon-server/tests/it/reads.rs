@@ -2,7 +2,6 @@
 //! with its settings (section 6).
 
 use crate::*;
-use reqwest::Method;
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 
@@ -24,13 +23,9 @@ async fn conv(h: &Http, id: &str) -> Value {
 }
 
 async fn settings(h: &Http, id: &str, body: Value) -> Value {
-    h.call(
-        Method::PUT,
-        &format!("/v1/conversations/{id}/settings"),
-        Some(&body),
-    )
-    .await
-    .expect("settings")
+    h.put(&format!("/v1/conversations/{id}/settings"), Some(&body))
+        .await
+        .expect("settings")
 }
 
 /// The ids of the caller's conversation list, in order.
@@ -309,11 +304,7 @@ async fn unread_counts_only_normal_user_content_from_others() {
     send(bob.clone(), "b1", "file").await;
     // Commands: an update and a mute/unmute.
     alice
-        .call(
-            Method::PATCH,
-            &format!("/v1/groups/{id}"),
-            Some(&json!({"name": "renamed"})),
-        )
+        .patch(&format!("/v1/groups/{id}"), &json!({"name": "renamed"}))
         .await
         .unwrap();
     let recalled = send(alice.clone(), "a4", "text").await;
@@ -323,25 +314,17 @@ async fn unread_counts_only_normal_user_content_from_others() {
         .unwrap();
     let edited = send(alice.clone(), "a5", "text").await;
     alice
-        .call(
-            Method::PATCH,
-            &format!("/v1/messages/{edited}"),
-            Some(&json!({"content": "y"})),
-        )
+        .patch(&format!("/v1/messages/{edited}"), &json!({"content": "y"}))
         .await
         .unwrap();
     let hidden = send(alice.clone(), "a6", "voice").await;
     carol
-        .call(Method::DELETE, &format!("/v1/messages/{hidden}"), None)
+        .delete(&format!("/v1/messages/{hidden}"))
         .await
         .unwrap();
     let deleted = send(alice.clone(), "a7", "video").await;
     s.admin
-        .call(
-            Method::DELETE,
-            &format!("/v1/admin/messages/{deleted}"),
-            None,
-        )
+        .delete(&format!("/v1/admin/messages/{deleted}"))
         .await
         .unwrap();
 
@@ -489,8 +472,7 @@ async fn hidden_conversations_return_with_a_new_message() {
     assert_eq!(c["unread"], 1);
     // Settings are only for members.
     let code = code_of(
-        bob.call(
-            Method::PUT,
+        bob.put(
             "/v1/conversations/111-333/settings",
             Some(&json!({"hidden": true})),
         )

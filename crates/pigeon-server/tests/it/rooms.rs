@@ -87,12 +87,10 @@ async fn viewers_receive_batches_and_a_user_watches_one_room_at_a_time() {
     let e = request(&mut b, json!({"type": "room_join", "room_id": "r404"}), 4).await;
     assert_eq!(e["code"], "not_found");
     // Closing a room.
-    reqwest::Client::new()
-        .delete(format!("{}/v1/admin/rooms/{r2}", s.base))
-        .bearer_auth(ADMIN_KEY)
-        .send()
+    s.admin
+        .delete(&format!("/v1/admin/rooms/{r2}"))
         .await
-        .unwrap();
+        .expect("room closed");
     assert_eq!(
         code_of(s.user(3).await.get(&format!("/v1/rooms/{r2}")).await),
         "not_found"
