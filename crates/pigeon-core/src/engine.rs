@@ -51,7 +51,8 @@ pub struct Engine {
     inbox_heads: HashMap<UserId, u64>,
     known_users: HashSet<UserId>,
     // Per batch: loaded on demand, dropped after the batch.
-    messages: HashMap<MsgId, Message>,
+    /// Messages loaded for recall, edit or delete; `None` for ids the store does not hold.
+    messages: HashMap<MsgId, Option<Message>>,
     dedupe: HashMap<(UserId, ClientMsgId), SendAck>,
     dedupe_checked: HashSet<(UserId, ClientMsgId)>,
     touched: HashSet<ConversationId>,
@@ -137,11 +138,12 @@ impl Engine {
                 | Command::Edit { msg_id, .. }
                 | Command::AdminDelete { msg_id }
                 | Command::HideMessage { msg_id, .. } => match self.messages.get(msg_id) {
-                    Some(m) => {
+                    Some(Some(m)) => {
                         if let Ok(c) = ConversationId::parse(&m.conversation_id) {
                             want_conv(&mut n, &c);
                         }
                     }
+                    Some(None) => {}
                     None => {
                         n.messages.insert(*msg_id);
                     }
@@ -175,15 +177,8 @@ impl Engine {
         for u in &asked.users {
             self.inbox_heads.entry(*u).or_insert(0);
         }
-        for m in asked.messages.iter() {
-            if let Some(msg) = loaded.messages.get(m) {
-                self.messages.insert(*m, msg.clone());
-            }
-        }
-        // Messages that do not exist are remembered as absent by not being in the map; a
-        // second `needs` would ask again, so mark them checked with a tombstone conversation.
         for m in &asked.messages {
-            self.messages.entry(*m).or_insert_with(|| tombstone(*m));
+            self.messages.insert(*m, loaded.messages.get(m).cloned());
         }
         self.dedupe_checked.extend(asked.dedupe.iter().cloned());
         self.dedupe.extend(loaded.dedupe);
@@ -433,7 +428,7 @@ impl Engine {
                         edited_at: msg.edited_at,
                         recalled: None,
                     });
-                    self.messages.insert(msg_id, msg.clone());
+                    self.messages.insert(msg_id, Some(msg.clone()));
                 }
                 Ok(Reply::Message(Box::new(msg)))
             }
@@ -832,7 +827,7 @@ impl Engine {
             edited_at: msg.edited_at,
             recalled: Some((now, actor)),
         });
-        self.messages.insert(msg_id, updated.clone());
+        self.messages.insert(msg_id, Some(updated.clone()));
         let extra = json!({"msg_id": msg_id});
         self.append(&conv_id, actor, MessageKind::Recall, extra, now, ch, ev);
         Ok(Reply::Message(Box::new(updated.redacted(false))))
@@ -893,7 +888,7 @@ impl Engine {
             edited_at: Some(now),
             recalled: None,
         });
-        self.messages.insert(msg_id, updated.clone());
+        self.messages.insert(msg_id, Some(updated.clone()));
         let extra = json!({"msg_id": msg_id, "version": updated.version});
         self.append(&conv_id, actor, MessageKind::Edit, extra, now, ch, ev);
         Ok(Reply::Message(Box::new(updated)))
@@ -920,7 +915,7 @@ impl Engine {
 
     fn existing_message(&self, msg_id: MsgId) -> Result<Message, DomainError> {
         match self.messages.get(&msg_id) {
-            Some(m) if !is_tombstone(m) => Ok(m.clone()),
+            Some(Some(m)) => Ok(m.clone()),
             _ => Err(DomainError::NotFound("message")),
         }
     }
@@ -1137,30 +1132,6 @@ fn new_conversation(
         updated_at: now,
         members,
     }
-}
-
-/// A placeholder for a message id the store does not hold, so `needs` stops asking for it.
-fn tombstone(id: MsgId) -> Message {
-    Message {
-        msg_id: id,
-        conversation_id: String::new(),
-        seq: 0,
-        sender: UserId::new(1).expect("1 is a valid user id"),
-        client_msg_id: None,
-        kind: MessageKind::Custom,
-        content: String::new(),
-        extra: serde_json::Value::Null,
-        reply_to: None,
-        mentions: Vec::new(),
-        status: MessageStatus::Deleted,
-        version: 0,
-        created_at: 0,
-        edited_at: None,
-    }
-}
-
-fn is_tombstone(m: &Message) -> bool {
-    m.version == 0 && m.conversation_id.is_empty()
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use pigeon_core::engine::Engine;
 use pigeon_core::error::DomainError;
 use pigeon_core::store::Store;
 use pigeon_proto::frames::ServerFrame;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -166,17 +167,14 @@ impl Pipeline {
 
     /// Queues a command; waits only while the queue is full.
     pub async fn submit(&self, cmd: Command, reply: ReplyTo) -> Result<(), PipelineError> {
-        let bulk = match &cmd {
-            Command::Send(pigeon_core::command::SendCommand {
-                to: pigeon_core::command::SendTo::Conversation(c),
-                ..
-            }) => self.large.read().expect("large set lock").contains_key(c),
-            _ => false,
-        };
-        if bulk { &self.bulk_tx } else { &self.tx }
-            .send(Envelope { cmd, reply })
-            .await
-            .map_err(|_| PipelineError::Unavailable)
+        if large_cost(&self.large, &cmd).is_some() {
+            &self.bulk_tx
+        } else {
+            &self.tx
+        }
+        .send(Envelope { cmd, reply })
+        .await
+        .map_err(|_| PipelineError::Unavailable)
     }
 }
 
@@ -192,9 +190,21 @@ struct Tiers {
 }
 
 /// What a delivery task sends after a commit, in order.
+#[derive(Default)]
 struct Delivery {
     replies: Vec<(Outbox, String)>,
     events: Vec<Event>,
+}
+
+/// What one send into a large conversation costs a batch; `None` when `cmd` is not one.
+fn large_cost(large: &LargeConversations, cmd: &Command) -> Option<u64> {
+    match cmd {
+        Command::Send(pigeon_core::command::SendCommand {
+            to: pigeon_core::command::SendTo::Conversation(c),
+            ..
+        }) => large.read().expect("large set lock").get(c).copied(),
+        _ => None,
+    }
 }
 
 /// The pipeline's inputs.
@@ -239,19 +249,7 @@ impl Queues {
     }
 
     fn cost(&self, cmd: &Command) -> u64 {
-        match cmd {
-            Command::Send(pigeon_core::command::SendCommand {
-                to: pigeon_core::command::SendTo::Conversation(c),
-                ..
-            }) => self
-                .large
-                .read()
-                .expect("large set lock")
-                .get(c)
-                .copied()
-                .unwrap_or(1),
-            _ => 1,
-        }
+        large_cost(&self.large, cmd).unwrap_or(1)
     }
 }
 
@@ -307,49 +305,42 @@ async fn run(
         metrics::histogram!("pigeon_batch_size").record(n as f64);
         metrics::histogram!("pigeon_commit_seconds").record(started.elapsed().as_secs_f64());
         stats.record(n, &counts);
-        {
-            let mut sticky = queues.large.write().expect("large set lock");
-            for e in &events {
-                if let Event::Message {
-                    message,
-                    recipients,
-                } = e
-                    && recipients.len() > LARGE_TIER_MEMBERS
-                    && let Ok(c) = pigeon_proto::ConversationId::parse(&message.conversation_id)
-                {
-                    let write_fanout = recipients.first().is_some_and(|r| r.user_seq.is_some());
-                    let n = recipients.len() as u64;
-                    sticky.insert(c, if write_fanout { n } else { (n / 20).max(1) });
-                }
-            }
-        }
-        let large: std::collections::HashSet<String> = events
+        // Conversations of this batch in the large tier, with the cost of one send into each
+        // (see BULK_BUDGET): their acks and pushes go to the bulk delivery task, and their
+        // later sends to the bulk queue (sticky).
+        let large: HashMap<String, u64> = events
             .iter()
             .filter_map(|e| match e {
                 Event::Message {
                     message,
                     recipients,
-                } if recipients.len() > LARGE_TIER_MEMBERS => Some(message.conversation_id.clone()),
+                } if recipients.len() > LARGE_TIER_MEMBERS => {
+                    let n = recipients.len() as u64;
+                    let write_fanout = recipients.first().is_some_and(|r| r.user_seq.is_some());
+                    Some((
+                        message.conversation_id.clone(),
+                        if write_fanout { n } else { (n / 20).max(1) },
+                    ))
+                }
                 _ => None,
             })
             .collect();
-        let (mut fast, mut bulk) = (
-            Delivery {
-                replies: Vec::new(),
-                events: Vec::new(),
-            },
-            Delivery {
-                replies: Vec::new(),
-                events: Vec::new(),
-            },
-        );
+        if !large.is_empty() {
+            let mut sticky = queues.large.write().expect("large set lock");
+            for (id, cost) in &large {
+                if let Ok(c) = pigeon_proto::ConversationId::parse(id) {
+                    sticky.insert(c, *cost);
+                }
+            }
+        }
+        let (mut fast, mut bulk) = (Delivery::default(), Delivery::default());
         for (reply, result) in replies.into_iter().zip(results) {
             match reply {
                 ReplyTo::Caller(tx) => {
                     let _ = tx.send(result.map_err(PipelineError::from));
                 }
                 ReplyTo::Connection { outbox, req } => {
-                    let in_large = matches!(&result, Ok(Reply::SendAck(a)) if !a.duplicate && large.contains(a.conversation_id.as_str()));
+                    let in_large = matches!(&result, Ok(Reply::SendAck(a)) if !a.duplicate && large.contains_key(a.conversation_id.as_str()));
                     if let Some(frame) = connection_reply(req, result) {
                         if in_large { &mut bulk } else { &mut fast }
                             .replies
@@ -360,7 +351,7 @@ async fn run(
             }
         }
         for e in events {
-            let in_large = matches!(&e, Event::Message { message, .. } if large.contains(&message.conversation_id));
+            let in_large = matches!(&e, Event::Message { message, .. } if large.contains_key(&message.conversation_id));
             if in_large { &mut bulk } else { &mut fast }.events.push(e);
         }
         let fast_ok = fast.is_empty() || delivery.fast.send(fast).await.is_ok();

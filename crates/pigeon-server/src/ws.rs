@@ -588,9 +588,6 @@ impl Connection {
             *e = seq;
             self.cursors_dirty = true;
         }
-        if self.cursors.len() > 4096 {
-            self.cursors_dirty = true;
-        }
     }
 
     /// Writes acknowledged positions to the store; `wait` when a read follows that must see them.

@@ -21,11 +21,18 @@ async fn health_ready_metrics_and_openapi_answer() {
             .0,
         200
     );
+    // After a stored message, the pipeline's counters are exported.
+    let alice = s.user(1).await;
+    let _ = s.user(2).await;
+    alice
+        .post("/v1/messages", &text_to_user("metric", 2, "x"))
+        .await
+        .unwrap();
     let resp = reqwest::get(format!("{}/metrics", s.base)).await.unwrap();
     assert_eq!(resp.status(), 200);
     let text = resp.text().await.unwrap();
     assert!(
-        text.contains("pigeon_") || text.is_empty() || text.contains('#'),
+        text.contains("pigeon_messages_stored_total") && text.contains("pigeon_batch_size_bucket"),
         "prometheus text: {text}"
     );
     let doc = anon.get("/openapi.json").await.unwrap();
