@@ -2,13 +2,12 @@
 //! at a fixed total rate) for a while. Reports send→ack and send→delivered latency, messages
 //! delivered per second and the server's CPU.
 
-use super::driver::{self, Run, SINGLE_P1, SendPlan, Shared, Spec};
-use super::procfs::CpuMeter;
+use super::driver::{self, SINGLE_P1, SendPlan, Spec};
 use super::{Common, MAX_CONNECTIONS_PER_PROCESS, Report, Res, Target, make_users, user_id_base};
 use serde_json::json;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -87,27 +86,24 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
             }
         })
         .collect();
-    let conns = driver::connect_all(&target.ws_base(), specs, 64).await?;
-    let shared = Shared::new();
-    let run = Run::start(conns, shared.clone());
-    let server_cpu = target.pid.map(CpuMeter::start);
-    let own_cpu = CpuMeter::start(std::process::id());
-    let started = Instant::now();
-    let progress = driver::progress(shared.clone());
-    run.set(|c| c.send[0] = true);
-    tokio::time::sleep(Duration::from_secs_f64(a.duration)).await;
-    let send_secs = started.elapsed().as_secs_f64();
-    let server_cpu = server_cpu.and_then(|m| m.percent());
-    let own_cpu = own_cpu.percent();
-    let drained = run.drain(Duration::from_secs(a.common.drain_secs)).await;
-    let elapsed = started.elapsed().as_secs_f64();
-    drop(progress);
+    let driver::Measured {
+        mut out,
+        shared,
+        send_secs,
+        elapsed,
+        server_cpu,
+        own_cpu,
+        sent,
+        delivered,
+    } = driver::measure(
+        &target.ws_base(),
+        specs,
+        target.pid,
+        a.duration,
+        a.common.drain_secs,
+    )
+    .await?;
     let k = &shared.counters;
-    let (sent, delivered) = (k.sent.load(Relaxed), k.delivered.load(Relaxed));
-    let mut out = driver::evaluate(run.finish().await);
-    if !drained {
-        out.checks.error("drain timed out", 1);
-    }
     let mut rep = Report::new(
         "direct",
         format!(

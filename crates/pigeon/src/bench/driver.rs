@@ -2,6 +2,7 @@
 //! fixed rate), takes the pushes, acknowledges them in batches, and records what the
 //! correctness check and the latency figures need. `evaluate` merges their records.
 
+use super::procfs::CpuMeter;
 use super::report::Checks;
 use super::{Res, content, now_us, sent_us_of};
 use futures_util::StreamExt;
@@ -178,6 +179,64 @@ struct Inflight {
     cmid: String,
     content: String,
     sent_us: u64,
+}
+
+/// What one send-for-a-while phase measured (the `direct` and `group` scenarios).
+pub struct Measured {
+    pub out: Outcome,
+    pub shared: Arc<Shared>,
+    /// How long the senders sent.
+    pub send_secs: f64,
+    /// Sending plus draining.
+    pub elapsed: f64,
+    pub server_cpu: Option<f64>,
+    pub own_cpu: Option<f64>,
+    pub sent: u64,
+    pub delivered: u64,
+}
+
+/// Connects `specs`, lets them send for `duration_secs`, drains for at most `drain_secs`,
+/// and evaluates what every connection saw.
+pub async fn measure(
+    ws_base: &str,
+    specs: Vec<Spec>,
+    server_pid: Option<u32>,
+    duration_secs: f64,
+    drain_secs: u64,
+) -> Res<Measured> {
+    let conns = connect_all(ws_base, specs, 64).await?;
+    let shared = Shared::new();
+    let run = Run::start(conns, shared.clone());
+    let server_cpu = server_pid.map(CpuMeter::start);
+    let own_cpu = CpuMeter::start(std::process::id());
+    let started = Instant::now();
+    let progress = progress(shared.clone());
+    run.set(|c| c.send[0] = true);
+    tokio::time::sleep(Duration::from_secs_f64(duration_secs)).await;
+    let send_secs = started.elapsed().as_secs_f64();
+    let server_cpu = server_cpu.and_then(|m| m.percent());
+    let own_cpu = own_cpu.percent();
+    let drained = run.drain(Duration::from_secs(drain_secs)).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    drop(progress);
+    let (sent, delivered) = (
+        shared.counters.sent.load(Relaxed),
+        shared.counters.delivered.load(Relaxed),
+    );
+    let mut out = evaluate(run.finish().await);
+    if !drained {
+        out.checks.error("drain timed out", 1);
+    }
+    Ok(Measured {
+        out,
+        shared,
+        send_secs,
+        elapsed,
+        server_cpu,
+        own_cpu,
+        sent,
+        delivered,
+    })
 }
 
 /// Opens the connections, `concurrency` at a time; fails on the first that cannot connect.
