@@ -134,6 +134,26 @@ impl Http {
         self.call(reqwest::Method::DELETE, path, None).await
     }
 
+    /// Every message of `conv` the caller may read, in seq order, read by ranges of 200.
+    pub async fn whole_history(&self, conv: &str) -> Result<Vec<Value>, ClientError> {
+        let head = self.get(&format!("/v1/conversations/{conv}")).await?["seq"]
+            .as_u64()
+            .unwrap_or(0);
+        let mut out = Vec::new();
+        let mut from = 1;
+        while from <= head {
+            let to = (from + 199).min(head);
+            let page = self
+                .get(&format!(
+                    "/v1/conversations/{conv}/messages/range?from={from}&to={to}"
+                ))
+                .await?;
+            out.extend(page["messages"].as_array().cloned().unwrap_or_default());
+            from = to + 1;
+        }
+        Ok(out)
+    }
+
     /// Admin: registers (or updates) a user.
     pub async fn upsert_user(&self, user_id: u64, name: &str) -> Result<Value, ClientError> {
         self.post(

@@ -277,22 +277,7 @@ async fn sigkill_during_a_send_load_loses_no_acknowledged_message() {
     convs.dedup();
     for conv in &convs {
         let h = Http::new(p.base.clone()).with_bearer(tokens[&reader_of(conv)].clone());
-        let head = h.get(&format!("/v1/conversations/{conv}")).await.unwrap()["seq"]
-            .as_u64()
-            .unwrap();
-        let mut all = Vec::new();
-        let mut from = 1;
-        while from <= head {
-            let to = (from + 199).min(head);
-            let page = h
-                .get(&format!(
-                    "/v1/conversations/{conv}/messages/range?from={from}&to={to}"
-                ))
-                .await
-                .unwrap();
-            all.extend(page["messages"].as_array().unwrap().iter().cloned());
-            from = to + 1;
-        }
+        let all = h.whole_history(conv).await.unwrap();
         for (i, m) in all.iter().enumerate() {
             assert_eq!(
                 m["seq"].as_u64().unwrap(),

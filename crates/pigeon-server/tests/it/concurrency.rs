@@ -5,27 +5,6 @@ use proptest::prelude::*;
 use serde_json::json;
 use std::collections::HashMap;
 
-/// Every message of a conversation, by paging its range endpoint.
-async fn whole_chain(h: &Http, conv: &str) -> Vec<Value> {
-    let head = h.get(&format!("/v1/conversations/{conv}")).await.unwrap()["seq"]
-        .as_u64()
-        .unwrap();
-    let mut out = Vec::new();
-    let mut from = 1;
-    while from <= head {
-        let to = (from + 199).min(head);
-        let page = h
-            .get(&format!(
-                "/v1/conversations/{conv}/messages/range?from={from}&to={to}"
-            ))
-            .await
-            .unwrap();
-        out.extend(page["messages"].as_array().unwrap().iter().cloned());
-        from = to + 1;
-    }
-    out
-}
-
 /// Every entry of a user's inbox, by pulling over a WebSocket.
 async fn whole_inbox(ws: &mut WsConn) -> Vec<Value> {
     let mut out = Vec::new();
@@ -126,7 +105,7 @@ async fn exchange(users: u64, per_user: usize, group_share: u8) {
                 vec![lo, hi]
             },
         );
-        let chain = whole_chain(&reader, conv).await;
+        let chain = reader.whole_history(conv).await.unwrap();
         for (i, m) in chain.iter().enumerate() {
             assert_eq!(
                 m["seq"].as_u64().unwrap(),
