@@ -389,28 +389,34 @@ impl Connection {
                 ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(None),
             ];
         }
-        let value: serde_json::Value = match serde_json::from_str(text) {
-            Ok(v) => v,
+        // First only what every frame has (the rest is skipped, but its syntax checked),
+        // then the typed frame straight from the text: no intermediate JSON tree.
+        if !text.trim_start().starts_with('{') {
+            return match serde_json::from_str::<serde::de::IgnoredAny>(text) {
+                Ok(_) => self.bad_frame(None, "frame must be a JSON object"),
+                Err(_) => self.bad_frame(None, "frame is not valid JSON"),
+            };
+        }
+        let head: FrameHead = match serde_json::from_str(text) {
+            Ok(h) => h,
             Err(_) => return self.bad_frame(None, "frame is not valid JSON"),
         };
-        let Some(obj) = value.as_object() else {
-            return self.bad_frame(None, "frame must be a JSON object");
-        };
-        let req = obj.get("req").and_then(|r| r.as_i64());
-        if obj
-            .get("req")
+        let req = head.req.as_ref().and_then(|r| r.as_i64());
+        if head
+            .req
+            .as_ref()
             .is_some_and(|r| !r.is_null() && r.as_i64().is_none())
         {
             return self.bad_frame(None, "req must be an integer");
         }
-        match obj.get("type").and_then(|t| t.as_str()) {
+        match head.kind.as_ref().and_then(|t| t.as_str()) {
             None => return self.bad_frame(req, "frame needs a string type"),
             Some(t) if !KNOWN_TYPES.contains(&t) => {
                 return self.bad_frame(req, &format!("unknown frame type {t:?}"));
             }
             _ => {}
         }
-        let frame: ClientFrame = match serde_json::from_value(value) {
+        let frame: ClientFrame = match serde_json::from_str(text) {
             Ok(f) => f,
             Err(e) => return self.bad_frame(req, &format!("bad frame: {e}")),
         };
@@ -624,6 +630,14 @@ impl Connection {
             tracing::warn!(error = %e, user = %self.user, "cursor flush not confirmed");
         }
     }
+}
+
+/// The fields every client frame may carry, read before the frame itself.
+#[derive(serde::Deserialize)]
+struct FrameHead {
+    #[serde(rename = "type")]
+    kind: Option<serde_json::Value>,
+    req: Option<serde_json::Value>,
 }
 
 const KNOWN_TYPES: &[&str] = &[
