@@ -12,6 +12,7 @@ use crate::rules::{self, outranks};
 use crate::snowflake::Snowflake;
 use crate::state::{ConversationState, MemberState};
 use crate::store::{Loaded, Needs};
+use crate::until_committed::UntilCommitted;
 use pigeon_proto::views::{Fanout, Role, SendAck};
 use pigeon_proto::{
     ClientMsgId, ConversationId, Message, MessageKind, MessageStatus, MsgId, UserId,
@@ -50,11 +51,15 @@ pub struct Engine {
     absent: HashSet<ConversationId>,
     inbox_heads: HashMap<UserId, u64>,
     known_users: HashSet<UserId>,
-    // Per batch: loaded on demand, dropped after the batch.
+    /// The batch being decided. Batches are numbered from 1; [`Engine::seal`] closes one and
+    /// opens the next, [`Engine::committed`] says which are durable.
+    batch: u64,
+    // Per batch: loaded on demand, kept until the batch that wrote them is committed.
     /// Messages loaded for recall, edit or delete; `None` for ids the store does not hold.
-    messages: HashMap<MsgId, Option<Message>>,
-    dedupe: HashMap<(UserId, ClientMsgId), SendAck>,
-    dedupe_checked: HashSet<(UserId, ClientMsgId)>,
+    messages: UntilCommitted<MsgId, Option<Message>>,
+    dedupe: UntilCommitted<(UserId, ClientMsgId), SendAck>,
+    dedupe_checked: UntilCommitted<(UserId, ClientMsgId), ()>,
+    /// Conversations changed in the open batch (their rows are written by [`Engine::seal`]).
     touched: HashSet<ConversationId>,
 }
 
@@ -69,9 +74,10 @@ impl Engine {
             absent: HashSet::new(),
             inbox_heads: HashMap::new(),
             known_users: HashSet::new(),
-            messages: HashMap::new(),
-            dedupe: HashMap::new(),
-            dedupe_checked: HashSet::new(),
+            batch: 1,
+            messages: UntilCommitted::default(),
+            dedupe: UntilCommitted::default(),
+            dedupe_checked: UntilCommitted::default(),
             touched: HashSet::new(),
         }
     }
@@ -98,7 +104,7 @@ impl Engine {
             match cmd {
                 Command::Send(s) => {
                     let key = (s.sender, s.client_msg_id.clone());
-                    if !self.dedupe_checked.contains(&key) {
+                    if !self.dedupe_checked.contains_key(&key) {
                         n.dedupe.insert(key);
                     }
                     match &s.to {
@@ -177,39 +183,23 @@ impl Engine {
         for u in &asked.users {
             self.inbox_heads.entry(*u).or_insert(0);
         }
+        let batch = self.batch;
         for m in &asked.messages {
-            self.messages.insert(*m, loaded.messages.get(m).cloned());
+            self.messages
+                .insert(batch, *m, loaded.messages.get(m).cloned());
         }
-        self.dedupe_checked.extend(asked.dedupe.iter().cloned());
-        self.dedupe.extend(loaded.dedupe);
-    }
-
-    /// Ends a batch whose changes were committed: returns nothing, drops per-batch state.
-    pub fn finish_batch(&mut self) {
-        self.messages.clear();
-        self.dedupe.clear();
-        self.dedupe_checked.clear();
-        self.touched.clear();
-        if self.conversations.len() > self.cfg.max_cached_conversations {
-            self.conversations.clear();
-            self.inbox_heads.clear();
+        for key in &asked.dedupe {
+            self.dedupe_checked.insert(batch, key.clone(), ());
         }
-        if self.absent.len() > self.cfg.max_cached_conversations {
-            self.absent.clear();
+        for (key, ack) in loaded.dedupe {
+            self.dedupe.insert(batch, key, ack);
         }
     }
 
-    /// Forgets every cached state after a failed commit: the store is the truth again.
-    pub fn reset(&mut self) {
-        self.conversations.clear();
-        self.absent.clear();
-        self.inbox_heads.clear();
-        self.known_users.clear();
-        self.finish_batch();
-    }
-
-    /// Moves the final state of every touched conversation into `changes`.
-    pub fn seal(&mut self, changes: &mut Changes) {
+    /// Moves the final state of every conversation the open batch touched into `changes`,
+    /// closes the batch and opens the next. Returns the closed batch's number, which
+    /// [`Engine::committed`] takes once its changes are durable.
+    pub fn seal(&mut self, changes: &mut Changes) -> u64 {
         let write_max = self.cfg.fanout_write_max_members;
         for id in self.touched.drain() {
             if let Some(c) = self.conversations.get(&id) {
@@ -218,6 +208,41 @@ impl Engine {
                     .push(ConversationRow::of(c, write_max));
             }
         }
+        self.batch += 1;
+        self.batch - 1
+    }
+
+    /// Batches up to `batch` are committed: what they remembered for the batches decided on
+    /// top of them (acks, loaded messages) is in the store now and is dropped.
+    pub fn committed(&mut self, batch: u64) {
+        self.messages.retire(batch);
+        self.dedupe.retire(batch);
+        self.dedupe_checked.retire(batch);
+    }
+
+    /// True when the caches have grown past their bound and [`Engine::evict_caches`] is due.
+    pub fn caches_full(&self) -> bool {
+        self.conversations.len() > self.cfg.max_cached_conversations
+            || self.absent.len() > self.cfg.max_cached_conversations
+    }
+
+    /// Drops the cached conversations. Only while no batch is open or being committed: the
+    /// cache holds what uncommitted batches decided, which the store does not show yet.
+    pub fn evict_caches(&mut self) {
+        self.conversations.clear();
+        self.inbox_heads.clear();
+        self.absent.clear();
+    }
+
+    /// Forgets every cached state after a failed commit: the store is the truth again. Every
+    /// batch decided after the failed one is void too (it was decided on top of it).
+    pub fn reset(&mut self) {
+        self.evict_caches();
+        self.known_users.clear();
+        self.messages.clear();
+        self.dedupe.clear();
+        self.dedupe_checked.clear();
+        self.touched.clear();
     }
 
     /// Applies one command. A refused command changes nothing.
@@ -428,7 +453,7 @@ impl Engine {
                         edited_at: msg.edited_at,
                         recalled: None,
                     });
-                    self.messages.insert(msg_id, Some(msg.clone()));
+                    self.messages.insert(self.batch, msg_id, Some(msg.clone()));
                 }
                 Ok(Reply::Message(Box::new(msg)))
             }
@@ -578,7 +603,7 @@ impl Engine {
             created_at: msg.created_at,
             duplicate: false,
         };
-        self.dedupe.insert(key, ack.clone());
+        self.dedupe.insert(self.batch, key, ack.clone());
         Ok(Reply::SendAck(ack))
     }
 
@@ -827,7 +852,8 @@ impl Engine {
             edited_at: msg.edited_at,
             recalled: Some((now, actor)),
         });
-        self.messages.insert(msg_id, Some(updated.clone()));
+        self.messages
+            .insert(self.batch, msg_id, Some(updated.clone()));
         let extra = json!({"msg_id": msg_id});
         self.append(&conv_id, actor, MessageKind::Recall, extra, now, ch, ev);
         Ok(Reply::Message(Box::new(updated.redacted(false))))
@@ -888,7 +914,8 @@ impl Engine {
             edited_at: Some(now),
             recalled: None,
         });
-        self.messages.insert(msg_id, Some(updated.clone()));
+        self.messages
+            .insert(self.batch, msg_id, Some(updated.clone()));
         let extra = json!({"msg_id": msg_id, "version": updated.version});
         self.append(&conv_id, actor, MessageKind::Edit, extra, now, ch, ev);
         Ok(Reply::Message(Box::new(updated)))

@@ -157,8 +157,8 @@ fn a_refused_command_changes_nothing() {
     let (mut ch, mut ev) = (Changes::default(), Vec::new());
     let g = group(&mut e, 1, &[2], &mut ch, &mut ev);
     // End of that batch; the refusals below come in the next one.
-    e.seal(&mut ch);
-    e.finish_batch();
+    let batch = e.seal(&mut ch);
+    e.committed(batch);
     let (mut ch, mut ev) = (Changes::default(), Vec::new());
     let err = send(
         &mut e,
@@ -318,4 +318,71 @@ fn recall_respects_the_window_except_for_group_managers() {
             .any(|u| u.msg_id == a.msg_id && u.recalled.is_some() && u.content.is_none()),
         "the original is kept in the store"
     );
+}
+
+#[test]
+fn a_batch_decided_while_the_previous_commits_sees_its_sends() {
+    // Batch 1 is sealed but not committed (the store does not show it yet) while batch 2 is
+    // decided: a retry of batch 1's send must be answered from memory as a duplicate, and
+    // the conversation's seq must go on from batch 1's.
+    let mut e = engine(2, 500);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let first = ack(send(
+        &mut e,
+        1,
+        SendTo::User(uid(2)),
+        "k1",
+        &mut ch,
+        &mut ev,
+    ));
+    let b1 = e.seal(&mut ch);
+    let (mut ch2, mut ev2) = (Changes::default(), Vec::new());
+    let retry = ack(send(
+        &mut e,
+        1,
+        SendTo::User(uid(2)),
+        "k1",
+        &mut ch2,
+        &mut ev2,
+    ));
+    assert!(retry.duplicate);
+    assert_eq!((retry.msg_id, retry.seq), (first.msg_id, first.seq));
+    let next = ack(send(
+        &mut e,
+        1,
+        SendTo::User(uid(2)),
+        "k2",
+        &mut ch2,
+        &mut ev2,
+    ));
+    assert_eq!(next.seq, first.seq + 1);
+    let retry_cmd = Command::Send(SendCommand {
+        sender: uid(1),
+        to: SendTo::User(uid(2)),
+        client_msg_id: ClientMsgId::parse("k1").unwrap(),
+        kind: MessageKind::Text,
+        content: "x".into(),
+        extra: serde_json::Value::Null,
+        reply_to: None,
+        mentions: vec![],
+    });
+    assert!(
+        e.needs(std::slice::from_ref(&retry_cmd)).dedupe.is_empty(),
+        "batch 1's key is still known from memory"
+    );
+    let b2 = e.seal(&mut ch2);
+    assert_eq!(b2, b1 + 1);
+    // Once batch 1 is durable its memory goes (the store answers now); batch 2's stays.
+    e.committed(b1);
+    assert_eq!(e.needs(std::slice::from_ref(&retry_cmd)).dedupe.len(), 1);
+    let k2 = Command::Send(SendCommand {
+        client_msg_id: ClientMsgId::parse("k2").unwrap(),
+        ..match retry_cmd {
+            Command::Send(s) => s,
+            _ => unreachable!(),
+        }
+    });
+    assert!(e.needs(std::slice::from_ref(&k2)).dedupe.is_empty());
+    e.committed(b2);
+    assert_eq!(e.needs(std::slice::from_ref(&k2)).dedupe.len(), 1);
 }

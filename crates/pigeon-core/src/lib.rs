@@ -11,6 +11,7 @@ pub mod rules;
 pub mod snowflake;
 pub mod state;
 pub mod store;
+pub mod until_committed;
 
 pub use changes::{Changes, Event};
 pub use command::{Command, Reply};

@@ -18,6 +18,8 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Most commands decided and committed together.
 pub const MAX_BATCH: usize = 1024;
+/// Commands decided together while the store is busy committing (one load each time).
+pub const DECIDE_CHUNK: usize = 64;
 /// Commands waiting for the pipeline before senders are told `unavailable`.
 pub const QUEUE_CAPACITY: usize = 16_384;
 
@@ -64,7 +66,7 @@ pub struct Pipeline {
 /// conversation costs one inbox row per member, into a read fan-out one a twentieth of its
 /// members (the pushes). Small enough that a batch carrying a flood still commits in a few
 /// milliseconds, so single chats in the same batch are not held up.
-pub const BULK_BUDGET: u64 = 1600;
+pub const BULK_BUDGET: u64 = 400;
 
 /// Conversations that have been large, with what one send into each costs (see
 /// [`BULK_BUDGET`]). Sticky, so a conversation's sends never move back to the fast queue
@@ -132,7 +134,7 @@ impl Pipeline {
         let (bulk_tx, bulk_rx) = mpsc::channel(1024);
         tokio::spawn(deliver(fast_rx, hub.clone()));
         tokio::spawn(deliver(bulk_rx, hub));
-        let dtx = Tiers {
+        let tiers = Tiers {
             fast: fast_tx,
             bulk: bulk_tx,
         };
@@ -140,9 +142,27 @@ impl Pipeline {
         let queues = Queues {
             fast: rx,
             bulk: bulk_rx_in,
+            fast_closed: false,
+            bulk_closed: false,
             large: large.clone(),
         };
-        let handle = tokio::spawn(run(store, engine, queues, dtx, stats.clone()));
+        let (decided_tx, decided_rx) = mpsc::channel(1);
+        let (outcome_tx, outcome_rx) = mpsc::unbounded_channel();
+        tokio::spawn(decide(
+            store.clone(),
+            engine,
+            queues,
+            decided_tx,
+            outcome_rx,
+        ));
+        let handle = tokio::spawn(commit(
+            store,
+            decided_rx,
+            outcome_tx,
+            large.clone(),
+            tiers,
+            stats.clone(),
+        ));
         (
             Pipeline {
                 tx,
@@ -211,41 +231,64 @@ fn large_cost(large: &LargeConversations, cmd: &Command) -> Option<u64> {
 struct Queues {
     fast: mpsc::Receiver<Envelope>,
     bulk: mpsc::Receiver<Envelope>,
+    fast_closed: bool,
+    bulk_closed: bool,
     large: LargeConversations,
 }
 
 impl Queues {
-    /// The next batch: everything waiting in the fast queue (up to [`MAX_BATCH`]); then, only
-    /// when the fast queue is empty, sends into large conversations up to [`BULK_BUDGET`].
-    /// Empty when both queues are closed.
-    async fn next_batch(&mut self, batch: &mut Vec<Envelope>) {
-        let mut bulk = Vec::new();
-        tokio::select! {
-            biased;
-            _ = self.fast.recv_many(batch, MAX_BATCH) => {}
-            _ = self.bulk.recv_many(&mut bulk, 1) => {}
-        }
-        while batch.len() < MAX_BATCH {
+    /// What is waiting now, without waiting: the fast queue first (up to `room`), then, only
+    /// when the fast queue is empty, sends into large conversations while the batch's bulk
+    /// budget lasts. Bulk after fast: a conversation's earlier sends (queued fast before it
+    /// became large) are always decided before its later ones.
+    fn take_ready(&mut self, room: usize, bulk_spent: &mut u64, into: &mut Vec<Envelope>) {
+        let limit = into.len() + room;
+        while into.len() < limit {
             match self.fast.try_recv() {
-                Ok(e) => batch.push(e),
+                Ok(e) => into.push(e),
                 Err(_) => break,
             }
         }
-        // Bulk after fast: a conversation's earlier sends (queued fast before it became
-        // large) are always decided before its later ones.
-        if self.fast.is_empty() {
-            let mut spent: u64 = bulk.iter().map(|e| self.cost(&e.cmd)).sum();
-            while spent < BULK_BUDGET {
-                match self.bulk.try_recv() {
-                    Ok(e) => {
-                        spent += self.cost(&e.cmd);
-                        bulk.push(e);
-                    }
-                    Err(_) => break,
+        if !self.fast.is_empty() {
+            return;
+        }
+        while into.len() < limit && *bulk_spent < BULK_BUDGET {
+            match self.bulk.try_recv() {
+                Ok(e) => {
+                    *bulk_spent += self.cost(&e.cmd);
+                    into.push(e);
                 }
+                Err(_) => break,
             }
         }
-        batch.extend(bulk);
+    }
+
+    /// Waits for the next command, fast queue first, the bulk queue only while the batch's
+    /// bulk budget lasts; `None` once both queues are closed (and empty).
+    async fn next(&mut self, bulk_spent: &mut u64) -> Option<Envelope> {
+        loop {
+            if self.fast_closed && self.bulk_closed {
+                return None;
+            }
+            let bulk_open = !self.bulk_closed && *bulk_spent < BULK_BUDGET;
+            tokio::select! {
+                biased;
+                e = self.fast.recv(), if !self.fast_closed => match e {
+                    Some(e) => return Some(e),
+                    None => self.fast_closed = true,
+                },
+                e = self.bulk.recv(), if bulk_open => match e {
+                    Some(e) => {
+                        *bulk_spent += self.cost(&e.cmd);
+                        return Some(e);
+                    }
+                    None => self.bulk_closed = true,
+                },
+                // Only sends into large conversations are left and this batch has had its
+                // share: the next batch takes them.
+                else => std::future::pending::<()>().await,
+            }
+        }
     }
 
     fn cost(&self, cmd: &Command) -> u64 {
@@ -253,114 +296,251 @@ impl Queues {
     }
 }
 
-async fn run(
+/// The batch the engine is deciding: commands join it as they arrive, and it goes to the
+/// store as soon as the store is free, so a batch holds whatever came while the previous one
+/// was being committed.
+#[derive(Default)]
+struct OpenBatch {
+    changes: Changes,
+    events: Vec<Event>,
+    replies: Vec<(ReplyTo, Result<Reply, DomainError>)>,
+    bulk_spent: u64,
+    started: Option<Instant>,
+}
+
+impl OpenBatch {
+    fn is_empty(&self) -> bool {
+        self.replies.is_empty()
+    }
+
+    /// Refuses every command of the batch (its decisions are void) and empties it.
+    fn refuse(&mut self) {
+        answer_all_unavailable(std::mem::take(self).replies.into_iter().map(|(r, _)| r));
+    }
+}
+
+/// A batch decided by the engine, on its way to the store.
+struct Decided {
+    /// The engine's number of this batch ([`Engine::committed`] takes it).
+    batch: u64,
+    changes: Changes,
+    events: Vec<Event>,
+    replies: Vec<(ReplyTo, Result<Reply, DomainError>)>,
+    started: Instant,
+}
+
+/// What the committer tells the decider of each batch it was handed.
+struct Outcome {
+    batch: u64,
+    committed: bool,
+}
+
+/// Decides batches while the previous one commits. Owns the engine: takes commands as they
+/// come, loads what the engine needs (from a read connection, so loading never waits for a
+/// commit), applies them to the open batch, and hands the batch to the committer as soon as
+/// the committer is free. One batch commits at a time, and the next is handed over only once
+/// the committer has said how the previous one ended; so when a commit fails, the only batch
+/// decided on top of it is the open one, which is refused with it.
+async fn decide(
     store: Arc<dyn Store>,
     mut engine: Engine,
     mut queues: Queues,
+    to_commit: mpsc::Sender<Decided>,
+    mut outcomes: mpsc::UnboundedReceiver<Outcome>,
+) {
+    let mut open = OpenBatch::default();
+    let mut in_flight = 0usize;
+    let mut closed = false;
+    let mut arrived = Vec::new();
+    loop {
+        // Caches past their bound are dropped only when nothing decided is uncommitted (the
+        // cache is the only place that shows it); until then no new command is taken.
+        let evicting = engine.caches_full();
+        if evicting && open.is_empty() && in_flight == 0 {
+            engine.evict_caches();
+            continue;
+        }
+        let room = MAX_BATCH.saturating_sub(open.replies.len() + arrived.len());
+        let taking = !closed && !evicting && room > 0;
+        if taking {
+            queues.take_ready(room, &mut open.bulk_spent, &mut arrived);
+        }
+        // Each decision costs a load from the store, so commands are decided at once only
+        // when the store is idle (the batch then goes right away); while it commits they are
+        // decided in chunks, and the rest when it is done.
+        let room = MAX_BATCH.saturating_sub(open.replies.len() + arrived.len());
+        if !arrived.is_empty() && (in_flight == 0 || arrived.len() >= DECIDE_CHUNK || room == 0) {
+            decide_into(&*store, &mut engine, &mut open, &mut arrived).await;
+            continue;
+        }
+        if closed && open.is_empty() && arrived.is_empty() && in_flight == 0 {
+            return;
+        }
+        tokio::select! {
+            biased;
+            Some(o) = outcomes.recv() => {
+                in_flight -= 1;
+                if o.committed {
+                    engine.committed(o.batch);
+                } else {
+                    // The open batch was decided on top of the failed one.
+                    engine.reset();
+                    open.refuse();
+                }
+            }
+            // Handed over only when the committer is idle: until then the batch grows with
+            // what arrives, so a busy store gets fewer, larger commits.
+            permit = to_commit.reserve(), if !open.is_empty() && in_flight == 0 => {
+                let Ok(permit) = permit else {
+                    tracing::error!("the committer is gone");
+                    open.refuse();
+                    return;
+                };
+                let mut b = std::mem::take(&mut open);
+                let batch = engine.seal(&mut b.changes);
+                permit.send(Decided {
+                    batch,
+                    changes: b.changes,
+                    events: b.events,
+                    replies: b.replies,
+                    started: b.started.unwrap_or_else(Instant::now),
+                });
+                in_flight += 1;
+            }
+            e = queues.next(&mut open.bulk_spent), if taking => match e {
+                Some(e) => arrived.push(e),
+                None => closed = true,
+            },
+        }
+    }
+}
+
+/// Loads what `arrived` needs and applies it to the open batch (emptying `arrived`). If the
+/// store cannot be read, these commands are refused; the batch goes on.
+async fn decide_into(
+    store: &dyn Store,
+    engine: &mut Engine,
+    open: &mut OpenBatch,
+    arrived: &mut Vec<Envelope>,
+) {
+    open.started.get_or_insert_with(Instant::now);
+    let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) =
+        arrived.drain(..).map(|e| (e.cmd, e.reply)).unzip();
+    let load_started = Instant::now();
+    if let Err(e) = load(store, engine, &cmds).await {
+        tracing::error!(error = %e, commands = cmds.len(), "loading state failed; commands refused");
+        answer_all_unavailable(replies);
+        return;
+    }
+    metrics::histogram!("pigeon_load_seconds").record(load_started.elapsed().as_secs_f64());
+    let now = now_ms();
+    for (cmd, reply) in cmds.into_iter().zip(replies) {
+        let result = engine.apply(cmd, now, &mut open.changes, &mut open.events);
+        open.replies.push((reply, result));
+    }
+}
+
+/// Commits decided batches in order, one transaction each, and only then answers and
+/// pushes. Tells the decider of every batch whether it committed.
+async fn commit(
+    store: Arc<dyn Store>,
+    mut decided: mpsc::Receiver<Decided>,
+    outcomes: mpsc::UnboundedSender<Outcome>,
+    large_set: LargeConversations,
     delivery: Tiers,
     stats: Arc<PipelineStats>,
 ) {
-    let mut batch: Vec<Envelope> = Vec::with_capacity(MAX_BATCH);
-    loop {
-        queues.next_batch(&mut batch).await;
-        if batch.is_empty() {
-            return;
-        }
-        let started = Instant::now();
-        let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) =
-            batch.drain(..).map(|e| (e.cmd, e.reply)).unzip();
-        let n = cmds.len();
-        let load_started = Instant::now();
-        if let Err(e) = load(&*store, &mut engine, &cmds).await {
-            tracing::error!(error = %e, batch = n, "loading state failed; batch refused");
-            engine.reset();
-            answer_all_unavailable(replies);
-            continue;
-        }
-        metrics::histogram!("pigeon_load_seconds").record(load_started.elapsed().as_secs_f64());
-        let now = now_ms();
-        let mut changes = Changes::default();
-        let mut events = Vec::new();
-        let results: Vec<Result<Reply, DomainError>> = cmds
-            .into_iter()
-            .map(|cmd| engine.apply(cmd, now, &mut changes, &mut events))
-            .collect();
-        engine.seal(&mut changes);
-        let counts = BatchCounts::of(&changes);
+    while let Some(d) = decided.recv().await {
+        let n = d.replies.len();
+        let outcome = |committed| Outcome {
+            batch: d.batch,
+            committed,
+        };
+        let counts = BatchCounts::of(&d.changes);
         let commit_started = Instant::now();
-        let committed = if changes.is_empty() {
+        let committed = if d.changes.is_empty() {
             Ok(())
         } else {
-            store.commit(changes).await
+            store.commit(d.changes).await
         };
         if let Err(e) = committed {
             tracing::error!(error = %e, batch = n, "commit failed; batch refused and state reloaded");
-            engine.reset();
-            answer_all_unavailable(replies);
+            let _ = outcomes.send(outcome(false));
+            answer_all_unavailable(d.replies.into_iter().map(|(r, _)| r));
             continue;
         }
+        let _ = outcomes.send(outcome(true));
         metrics::histogram!("pigeon_store_commit_seconds")
             .record(commit_started.elapsed().as_secs_f64());
-        engine.finish_batch();
         metrics::histogram!("pigeon_batch_size").record(n as f64);
-        metrics::histogram!("pigeon_commit_seconds").record(started.elapsed().as_secs_f64());
+        metrics::histogram!("pigeon_commit_seconds").record(d.started.elapsed().as_secs_f64());
         stats.record(n, &counts);
-        // Conversations of this batch in the large tier, with the cost of one send into each
-        // (see BULK_BUDGET): their acks and pushes go to the bulk delivery task, and their
-        // later sends to the bulk queue (sticky).
-        let large: HashMap<String, u64> = events
-            .iter()
-            .filter_map(|e| match e {
-                Event::Message {
-                    message,
-                    recipients,
-                } if recipients.len() > LARGE_TIER_MEMBERS => {
-                    let n = recipients.len() as u64;
-                    let write_fanout = recipients.first().is_some_and(|r| r.user_seq.is_some());
-                    Some((
-                        message.conversation_id.clone(),
-                        if write_fanout { n } else { (n / 20).max(1) },
-                    ))
-                }
-                _ => None,
-            })
-            .collect();
-        if !large.is_empty() {
-            let mut sticky = queues.large.write().expect("large set lock");
-            for (id, cost) in &large {
-                if let Ok(c) = pigeon_proto::ConversationId::parse(id) {
-                    sticky.insert(c, *cost);
-                }
-            }
-        }
-        let (mut fast, mut bulk) = (Delivery::default(), Delivery::default());
-        for (reply, result) in replies.into_iter().zip(results) {
-            match reply {
-                ReplyTo::Caller(tx) => {
-                    let _ = tx.send(result.map_err(PipelineError::from));
-                }
-                ReplyTo::Connection { outbox, req } => {
-                    let in_large = matches!(&result, Ok(Reply::SendAck(a)) if !a.duplicate && large.contains_key(a.conversation_id.as_str()));
-                    if let Some(frame) = connection_reply(req, result) {
-                        if in_large { &mut bulk } else { &mut fast }
-                            .replies
-                            .push((outbox, frame));
-                    }
-                }
-                ReplyTo::Nobody => {}
-            }
-        }
-        for e in events {
-            let in_large = matches!(&e, Event::Message { message, .. } if large.contains_key(&message.conversation_id));
-            if in_large { &mut bulk } else { &mut fast }.events.push(e);
-        }
-        let fast_ok = fast.is_empty() || delivery.fast.send(fast).await.is_ok();
-        let bulk_ok = bulk.is_empty() || delivery.bulk.send(bulk).await.is_ok();
-        if !(fast_ok && bulk_ok) {
+        if !deliver_batch(d.replies, d.events, &large_set, &delivery).await {
             tracing::error!("a delivery task is gone");
             return;
         }
     }
+}
+
+/// Hands a committed batch's answers and events to the delivery tasks. Conversations of this
+/// batch in the large tier, with the cost of one send into each (see [`BULK_BUDGET`]): their
+/// acks and pushes go to the bulk delivery task, and their later sends to the bulk queue
+/// (sticky). False when a delivery task is gone.
+async fn deliver_batch(
+    replies: Vec<(ReplyTo, Result<Reply, DomainError>)>,
+    events: Vec<Event>,
+    large_set: &LargeConversations,
+    delivery: &Tiers,
+) -> bool {
+    let large: HashMap<String, u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message {
+                message,
+                recipients,
+            } if recipients.len() > LARGE_TIER_MEMBERS => {
+                let n = recipients.len() as u64;
+                let write_fanout = recipients.first().is_some_and(|r| r.user_seq.is_some());
+                Some((
+                    message.conversation_id.clone(),
+                    if write_fanout { n } else { (n / 20).max(1) },
+                ))
+            }
+            _ => None,
+        })
+        .collect();
+    if !large.is_empty() {
+        let mut sticky = large_set.write().expect("large set lock");
+        for (id, cost) in &large {
+            if let Ok(c) = pigeon_proto::ConversationId::parse(id) {
+                sticky.insert(c, *cost);
+            }
+        }
+    }
+    let (mut fast, mut bulk) = (Delivery::default(), Delivery::default());
+    for (reply, result) in replies {
+        match reply {
+            ReplyTo::Caller(tx) => {
+                let _ = tx.send(result.map_err(PipelineError::from));
+            }
+            ReplyTo::Connection { outbox, req } => {
+                let in_large = matches!(&result, Ok(Reply::SendAck(a)) if !a.duplicate && large.contains_key(a.conversation_id.as_str()));
+                if let Some(frame) = connection_reply(req, result) {
+                    if in_large { &mut bulk } else { &mut fast }
+                        .replies
+                        .push((outbox, frame));
+                }
+            }
+            ReplyTo::Nobody => {}
+        }
+    }
+    for e in events {
+        let in_large = matches!(&e, Event::Message { message, .. } if large.contains_key(&message.conversation_id));
+        if in_large { &mut bulk } else { &mut fast }.events.push(e);
+    }
+    let fast_ok = fast.is_empty() || delivery.fast.send(fast).await.is_ok();
+    let bulk_ok = bulk.is_empty() || delivery.bulk.send(bulk).await.is_ok();
+    fast_ok && bulk_ok
 }
 
 async fn load(
@@ -380,7 +560,7 @@ async fn load(
     Ok(())
 }
 
-fn answer_all_unavailable(replies: Vec<ReplyTo>) {
+fn answer_all_unavailable(replies: impl IntoIterator<Item = ReplyTo>) {
     for r in replies {
         match r {
             ReplyTo::Caller(tx) => {

@@ -15,6 +15,7 @@ mod proxy;
 mod reads;
 mod rooms;
 mod sdk;
+mod store_failure;
 
 use pigeon_client::{Http, WsConn};
 use pigeon_server::{Config, Running};
