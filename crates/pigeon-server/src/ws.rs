@@ -32,6 +32,8 @@ const MAX_PUSH_TRIES: u8 = 4;
 /// Bad frames tolerated per window before the connection is closed with 1008.
 const BAD_FRAMES_PER_WINDOW: u32 = 20;
 const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
+/// Bytes of frames gathered before they are written to the socket (see [`upgrade`]).
+const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
 const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
@@ -66,7 +68,10 @@ pub async fn upgrade(
         Ok((user, device)) => ws
             .protocols(["pigeon.v1.json"])
             .read_buffer_size(4096)
-            .write_buffer_size(0)
+            // Frames fed between two flushes are gathered up to this size and written with one
+            // syscall (0 would write each frame by itself: one syscall per frame). The buffer
+            // grows only as frames need it, so an idle connection keeps it small.
+            .write_buffer_size(WRITE_BUFFER_BYTES)
             .max_message_size(MAX_READ_BYTES)
             .max_frame_size(MAX_READ_BYTES)
             .on_upgrade(move |socket| run(app, user, device, socket)),
