@@ -65,8 +65,11 @@ pub struct Pipeline {
 /// The work one batch may take from the bulk queue, in rows: a send into a write fan-out
 /// conversation costs one inbox row per member, into a read fan-out one a twentieth of its
 /// members (the pushes). Small enough that a batch carrying a flood still commits in a few
-/// milliseconds, so single chats in the same batch are not held up.
+/// milliseconds, so single chats waiting behind it are not held up long.
 pub const BULK_BUDGET: u64 = 400;
+/// The bulk work a batch that also carries fast commands may take: a single chat's own
+/// commit stays light, and a flood still moves while fast traffic never stops.
+pub const BULK_BUDGET_BESIDE_FAST: u64 = 100;
 
 /// Conversations that have been large, with what one send into each costs (see
 /// [`BULK_BUDGET`]). Sticky, so a conversation's sends never move back to the fast queue
@@ -238,24 +241,33 @@ struct Queues {
 
 impl Queues {
     /// What is waiting now, without waiting: the fast queue first (up to `room`), then, only
-    /// when the fast queue is empty, sends into large conversations while the batch's bulk
-    /// budget lasts. Bulk after fast: a conversation's earlier sends (queued fast before it
-    /// became large) are always decided before its later ones.
-    fn take_ready(&mut self, room: usize, bulk_spent: &mut u64, into: &mut Vec<Envelope>) {
+    /// when the fast queue is empty and `bulk` allows, sends into large conversations while
+    /// the batch's bulk budget lasts. Bulk after fast: a conversation's earlier sends (queued
+    /// fast before it became large) are always decided before its later ones.
+    fn take_ready(
+        &mut self,
+        room: usize,
+        bulk: bool,
+        batch: &mut BatchShare,
+        into: &mut Vec<Envelope>,
+    ) {
         let limit = into.len() + room;
         while into.len() < limit {
             match self.fast.try_recv() {
-                Ok(e) => into.push(e),
+                Ok(e) => {
+                    batch.fast += 1;
+                    into.push(e);
+                }
                 Err(_) => break,
             }
         }
-        if !self.fast.is_empty() {
+        if !bulk || !self.fast.is_empty() {
             return;
         }
-        while into.len() < limit && *bulk_spent < BULK_BUDGET {
+        while into.len() < limit && batch.bulk_left() {
             match self.bulk.try_recv() {
                 Ok(e) => {
-                    *bulk_spent += self.cost(&e.cmd);
+                    batch.bulk_spent += self.cost(&e.cmd);
                     into.push(e);
                 }
                 Err(_) => break,
@@ -263,23 +275,26 @@ impl Queues {
         }
     }
 
-    /// Waits for the next command, fast queue first, the bulk queue only while the batch's
-    /// bulk budget lasts; `None` once both queues are closed (and empty).
-    async fn next(&mut self, bulk_spent: &mut u64) -> Option<Envelope> {
+    /// Waits for the next command, fast queue first, the bulk queue only when `bulk` allows
+    /// and the batch's bulk budget lasts; `None` once both queues are closed (and empty).
+    async fn next(&mut self, bulk: bool, batch: &mut BatchShare) -> Option<Envelope> {
         loop {
             if self.fast_closed && self.bulk_closed {
                 return None;
             }
-            let bulk_open = !self.bulk_closed && *bulk_spent < BULK_BUDGET;
+            let bulk_open = bulk && !self.bulk_closed && batch.bulk_left();
             tokio::select! {
                 biased;
                 e = self.fast.recv(), if !self.fast_closed => match e {
-                    Some(e) => return Some(e),
+                    Some(e) => {
+                        batch.fast += 1;
+                        return Some(e);
+                    }
                     None => self.fast_closed = true,
                 },
                 e = self.bulk.recv(), if bulk_open => match e {
                     Some(e) => {
-                        *bulk_spent += self.cost(&e.cmd);
+                        batch.bulk_spent += self.cost(&e.cmd);
                         return Some(e);
                     }
                     None => self.bulk_closed = true,
@@ -296,6 +311,26 @@ impl Queues {
     }
 }
 
+/// What one batch has taken from each queue.
+#[derive(Default)]
+struct BatchShare {
+    fast: usize,
+    bulk_spent: u64,
+}
+
+impl BatchShare {
+    /// Whether the batch may take more bulk work: [`BULK_BUDGET`] alone, less beside fast
+    /// commands.
+    fn bulk_left(&self) -> bool {
+        let budget = if self.fast > 0 {
+            BULK_BUDGET_BESIDE_FAST
+        } else {
+            BULK_BUDGET
+        };
+        self.bulk_spent < budget
+    }
+}
+
 /// The batch the engine is deciding: commands join it as they arrive, and it goes to the
 /// store as soon as the store is free, so a batch holds whatever came while the previous one
 /// was being committed.
@@ -304,7 +339,7 @@ struct OpenBatch {
     changes: Changes,
     events: Vec<Event>,
     replies: Vec<(ReplyTo, Result<Reply, DomainError>)>,
-    bulk_spent: u64,
+    share: BatchShare,
     started: Option<Instant>,
 }
 
@@ -362,8 +397,11 @@ async fn decide(
         }
         let room = MAX_BATCH.saturating_sub(open.replies.len() + arrived.len());
         let taking = !closed && !evicting && room > 0;
+        // Bulk work joins a batch only when it is about to go (the store is idle), once it
+        // is known whether fast commands are in it (see BULK_BUDGET_BESIDE_FAST).
+        let bulk = in_flight == 0;
         if taking {
-            queues.take_ready(room, &mut open.bulk_spent, &mut arrived);
+            queues.take_ready(room, bulk, &mut open.share, &mut arrived);
         }
         // Each decision costs a load from the store, so commands are decided at once only
         // when the store is idle (the batch then goes right away); while it commits they are
@@ -407,7 +445,7 @@ async fn decide(
                 });
                 in_flight += 1;
             }
-            e = queues.next(&mut open.bulk_spent), if taking => match e {
+            e = queues.next(bulk, &mut open.share), if taking => match e {
                 Some(e) => arrived.push(e),
                 None => closed = true,
             },
@@ -619,4 +657,75 @@ pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pigeon_core::command::{SendCommand, SendTo};
+    use pigeon_proto::{ClientMsgId, ConversationId, MessageKind, UserId};
+
+    fn send_to(conv: &ConversationId, n: u64) -> Envelope {
+        Envelope {
+            cmd: Command::Send(SendCommand {
+                sender: UserId::new(1).unwrap(),
+                to: SendTo::Conversation(conv.clone()),
+                client_msg_id: ClientMsgId::parse(&format!("m{n}")).unwrap(),
+                kind: MessageKind::Text,
+                content: "x".into(),
+                extra: serde_json::Value::Null,
+                reply_to: None,
+                mentions: vec![],
+            }),
+            reply: ReplyTo::Nobody,
+        }
+    }
+
+    type Senders = (mpsc::Sender<Envelope>, mpsc::Sender<Envelope>);
+
+    /// Queues holding `fast` sends into a small group and `bulk` sends into a write fan-out
+    /// group of 200 (200 rows each), with their senders (which keep them open).
+    fn queues(fast: u64, bulk: u64) -> (Queues, Senders) {
+        let small = ConversationId::parse("g1").unwrap();
+        let big = ConversationId::parse("g2").unwrap();
+        let large = LargeConversations::default();
+        large.write().unwrap().insert(big.clone(), 200);
+        let (ftx, frx) = mpsc::channel(64);
+        let (btx, brx) = mpsc::channel(64);
+        for n in 0..fast {
+            ftx.try_send(send_to(&small, n)).ok().unwrap();
+        }
+        for n in 0..bulk {
+            btx.try_send(send_to(&big, 100 + n)).ok().unwrap();
+        }
+        let q = Queues {
+            fast: frx,
+            bulk: brx,
+            fast_closed: false,
+            bulk_closed: false,
+            large,
+        };
+        (q, (ftx, btx))
+    }
+
+    /// Takes what is ready: (fast commands, flood sends).
+    fn take((mut q, _open): (Queues, Senders), bulk: bool) -> (usize, usize) {
+        let q = &mut q;
+        let (mut share, mut got) = (BatchShare::default(), Vec::new());
+        q.take_ready(MAX_BATCH, bulk, &mut share, &mut got);
+        let big = got.iter().filter(|e| q.cost(&e.cmd) > 1).count();
+        (got.len() - big, big)
+    }
+
+    #[test]
+    fn a_batch_takes_all_fast_work_and_bulk_work_within_its_budget() {
+        // Alone, a batch takes flood sends up to BULK_BUDGET (400 rows: two sends of 200).
+        assert_eq!(take(queues(0, 10), true), (0, 2));
+        // Beside fast commands only up to BULK_BUDGET_BESIDE_FAST: one send (the first is
+        // always allowed, so a flood still moves under steady fast traffic).
+        assert_eq!(take(queues(3, 10), true), (3, 1));
+        // While the store commits, bulk work waits for the batch that goes next.
+        assert_eq!(take(queues(3, 10), false), (3, 0));
+        assert_eq!(take(queues(0, 10), false), (0, 0));
+    }
 }
