@@ -10,9 +10,6 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-/// Bytes read from the socket at a time.
-const READ_BUFFER_BYTES: usize = 16 * 1024;
-
 /// A connected, authenticated WebSocket. `hello` is the server's first frame.
 pub struct WsConn {
     stream: WebSocketStream<MaybeTlsStream<TcpStream>>,
@@ -45,12 +42,7 @@ impl WsConn {
     pub async fn connect_request(
         req: tokio_tungstenite::tungstenite::handshake::client::Request,
     ) -> Result<WsConn, ClientError> {
-        // tungstenite zeroes its whole read buffer before every socket read; at its default
-        // 128 KiB that was a quarter of the load tool's CPU. Frames larger than this are
-        // still read whole, over several reads.
-        let config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
-            .read_buffer_size(READ_BUFFER_BYTES);
-        let (stream, _) = tokio_tungstenite::connect_async_with_config(req, Some(config), true)
+        let (stream, _) = tokio_tungstenite::connect_async_with_config(req, None, true)
             .await
             .map_err(|e| match e {
                 tokio_tungstenite::tungstenite::Error::Http(resp) => {
