@@ -8,6 +8,7 @@ use crate::changes::{
 };
 use crate::command::{Command, Reply, SendCommand, SendTo};
 use crate::error::DomainError;
+use crate::known_keys::KnownKeys;
 use crate::rules::{self, outranks};
 use crate::snowflake::Snowflake;
 use crate::state::{ConversationState, MemberState};
@@ -59,6 +60,8 @@ pub struct Engine {
     messages: UntilCommitted<MsgId, Option<Message>>,
     dedupe: UntilCommitted<(UserId, ClientMsgId), SendAck>,
     dedupe_checked: UntilCommitted<(UserId, ClientMsgId), ()>,
+    /// Every idempotency key the store may hold: a key it has never seen needs no look-up.
+    known_keys: KnownKeys,
     /// Conversations changed in the open batch (their rows are written by [`Engine::seal`]).
     touched: HashSet<ConversationId>,
 }
@@ -78,12 +81,30 @@ impl Engine {
             messages: UntilCommitted::default(),
             dedupe: UntilCommitted::default(),
             dedupe_checked: UntilCommitted::default(),
+            known_keys: KnownKeys::with_capacity(1 << 16),
             touched: HashSet::new(),
         }
     }
 
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// Sizes the set of known idempotency keys for about `expected` keys. Call before
+    /// [`Engine::remember_key`] at start.
+    pub fn expect_keys(&mut self, expected: usize) {
+        self.known_keys = KnownKeys::with_capacity(expected);
+    }
+
+    /// Tells the engine of an idempotency key the store holds. At start, for every stored
+    /// key: a key the engine was not told of is taken for new without asking the store.
+    pub fn remember_key(&mut self, sender: UserId, client_msg_id: &ClientMsgId) {
+        self.known_keys.insert(sender, client_msg_id);
+    }
+
+    /// How many keys [`Engine::remember_key`] and new sends have added.
+    pub fn known_key_count(&self) -> u64 {
+        self.known_keys.len()
     }
 
     /// What must be loaded before `batch` can be applied. Call again after each
@@ -104,7 +125,12 @@ impl Engine {
             match cmd {
                 Command::Send(s) => {
                     let key = (s.sender, s.client_msg_id.clone());
-                    if !self.dedupe_checked.contains_key(&key) {
+                    // Known already (answered from memory), or never seen (new for sure):
+                    // no look-up.
+                    if !self.dedupe.contains_key(&key)
+                        && !self.dedupe_checked.contains_key(&key)
+                        && self.known_keys.may_contain(s.sender, &s.client_msg_id)
+                    {
                         n.dedupe.insert(key);
                     }
                     match &s.to {
@@ -603,6 +629,7 @@ impl Engine {
             created_at: msg.created_at,
             duplicate: false,
         };
+        self.known_keys.insert(key.0, &key.1);
         self.dedupe.insert(self.batch, key, ack.clone());
         Ok(Reply::SendAck(ack))
     }

@@ -386,3 +386,43 @@ fn a_batch_decided_while_the_previous_commits_sees_its_sends() {
     e.committed(b2);
     assert_eq!(e.needs(std::slice::from_ref(&k2)).dedupe.len(), 1);
 }
+
+#[test]
+fn only_keys_the_store_may_hold_are_looked_up() {
+    let mut e = engine(2, 500);
+    let cmd = |cmid: &str| {
+        Command::Send(SendCommand {
+            sender: uid(1),
+            to: SendTo::User(uid(2)),
+            client_msg_id: ClientMsgId::parse(cmid).unwrap(),
+            kind: MessageKind::Text,
+            content: "x".into(),
+            extra: serde_json::Value::Null,
+            reply_to: None,
+            mentions: vec![],
+        })
+    };
+    // A key never stored and never decided is new for sure: no look-up.
+    assert!(e.needs(&[cmd("fresh")]).dedupe.is_empty());
+    // A key the store holds (told at start) is looked up.
+    e.remember_key(uid(1), &ClientMsgId::parse("stored").unwrap());
+    assert_eq!(e.needs(&[cmd("stored")]).dedupe.len(), 1);
+    // A key decided here is remembered: once its batch is committed (its ack leaves memory),
+    // a retry is looked up in the store, which then holds it.
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    ack(send(
+        &mut e,
+        1,
+        SendTo::User(uid(2)),
+        "sent",
+        &mut ch,
+        &mut ev,
+    ));
+    assert!(
+        e.needs(&[cmd("sent")]).dedupe.is_empty(),
+        "answered from memory"
+    );
+    let b = e.seal(&mut ch);
+    e.committed(b);
+    assert_eq!(e.needs(&[cmd("sent")]).dedupe.len(), 1);
+}

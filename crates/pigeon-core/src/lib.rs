@@ -7,6 +7,7 @@ pub mod changes;
 pub mod command;
 pub mod engine;
 pub mod error;
+pub mod known_keys;
 pub mod rules;
 pub mod snowflake;
 pub mod state;

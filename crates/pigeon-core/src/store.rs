@@ -107,6 +107,15 @@ pub trait Store: Send + Sync + 'static {
     async fn commit(&self, changes: Changes) -> Result<(), StoreError>;
     /// The largest msg_id ever stored (floor for the id generator).
     async fn max_msg_id(&self) -> Result<u64, StoreError>;
+    /// How many idempotency keys `(sender, client_msg_id)` are stored.
+    async fn idempotency_key_count(&self) -> Result<u64, StoreError>;
+    /// Stored idempotency keys in key order, the first `limit` after `after`: at start the
+    /// engine learns them all, page by page (see `Engine::remember_key`).
+    async fn idempotency_keys(
+        &self,
+        after: Option<(UserId, ClientMsgId)>,
+        limit: usize,
+    ) -> Result<Vec<(UserId, ClientMsgId)>, StoreError>;
 
     // Settings kept by the store (admin key, token secret).
     async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError>;

@@ -91,7 +91,8 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         edit_window_ms: (cfg.edit_window_secs as i64) * 1000,
         ..EngineConfig::default()
     };
-    let engine = Engine::new(engine_cfg, store.max_msg_id().await?);
+    let mut engine = Engine::new(engine_cfg, store.max_msg_id().await?);
+    learn_idempotency_keys(&*store, &mut engine).await?;
     let offline = cfg.offline_webhook_url.clone().map(|url| {
         crate::webhook::OfflineHook::start(
             url,
@@ -188,4 +189,42 @@ impl Running {
         }
         tracing::info!("pigeon stopped");
     }
+}
+
+/// Tells the engine every stored idempotency key (see `Engine::remember_key`), page by page,
+/// with progress in the log for a large store.
+async fn learn_idempotency_keys(
+    store: &dyn pigeon_core::Store,
+    engine: &mut Engine,
+) -> Result<(), pigeon_core::StoreError> {
+    const PAGE: usize = 50_000;
+    let started = std::time::Instant::now();
+    let total = store.idempotency_key_count().await?;
+    engine.expect_keys(
+        usize::try_from(total)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(2),
+    );
+    let mut after = None;
+    loop {
+        let page = store.idempotency_keys(after, PAGE).await?;
+        for (sender, cmid) in &page {
+            engine.remember_key(*sender, cmid);
+        }
+        if page.len() < PAGE {
+            break;
+        }
+        after = page.last().cloned();
+        tracing::info!(
+            loaded = engine.known_key_count(),
+            total,
+            "loading idempotency keys"
+        );
+    }
+    tracing::info!(
+        keys = engine.known_key_count(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "idempotency keys loaded"
+    );
+    Ok(())
 }

@@ -16,7 +16,7 @@ use pigeon_core::store::{
 };
 use pigeon_proto::frames::SyncConversation;
 use pigeon_proto::views::{ChainItem, ConversationView, MemberView, VersionView};
-use pigeon_proto::{ConversationId, Message, MsgId, UserId};
+use pigeon_proto::{ClientMsgId, ConversationId, Message, MsgId, UserId};
 use rusqlite::{Connection, OpenFlags};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -198,6 +198,27 @@ impl Store for SqliteStore {
         })
         .await
         .map(|v| v as u64)
+    }
+
+    async fn idempotency_key_count(&self) -> Result<u64, StoreError> {
+        self.read(|c| {
+            c.query_row(
+                "SELECT count(*) FROM messages WHERE client_msg_id IS NOT NULL",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+        })
+        .await
+        .map(|v| v as u64)
+    }
+
+    async fn idempotency_keys(
+        &self,
+        after: Option<(UserId, ClientMsgId)>,
+        limit: usize,
+    ) -> Result<Vec<(UserId, ClientMsgId)>, StoreError> {
+        self.read(move |c| read::idempotency_keys(c, after, limit))
+            .await
     }
 
     async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError> {

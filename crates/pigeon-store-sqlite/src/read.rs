@@ -9,7 +9,7 @@ use pigeon_proto::frames::SyncConversation;
 use pigeon_proto::views::{
     ChainItem, ConversationType, ConversationView, Fanout, MemberView, VersionView,
 };
-use pigeon_proto::{ConversationId, Message, MsgId, UserId};
+use pigeon_proto::{ClientMsgId, ConversationId, Message, MsgId, UserId};
 use rusqlite::{Connection, OptionalExtension, params};
 use std::collections::HashMap;
 
@@ -476,4 +476,74 @@ pub fn receipts(
         }
     }
     Ok((read, unread))
+}
+
+/// Stored idempotency keys in key order after `after` (walks the unique
+/// `(sender, client_msg_id)` index). Rows that would not parse are skipped: they cannot
+/// collide with a valid new key.
+pub fn idempotency_keys(
+    c: &Connection,
+    after: Option<(UserId, ClientMsgId)>,
+    limit: usize,
+) -> rusqlite::Result<Vec<(UserId, ClientMsgId)>> {
+    let (sender, cmid) = after.map_or((0, String::new()), |(u, m)| (u.get() as i64, m.to_string()));
+    let mut st = c.prepare_cached(
+        "SELECT sender, client_msg_id FROM messages \
+         WHERE client_msg_id IS NOT NULL AND (sender, client_msg_id) > (?1, ?2) \
+         ORDER BY sender, client_msg_id LIMIT ?3",
+    )?;
+    let rows = st.query_map(params![sender, cmid, limit as i64], |r| {
+        Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+    })?;
+    let mut out = Vec::with_capacity(limit.min(65_536));
+    for row in rows {
+        let (u, m) = row?;
+        if let (Ok(u), Ok(m)) = (UserId::new(u as u64), ClientMsgId::parse(&m)) {
+            out.push((u, m));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idempotency_keys_page_through_every_key_once_in_order() {
+        let mut c = Connection::open_in_memory().unwrap();
+        crate::schema::migrate(&mut c).unwrap();
+        let mut want = Vec::new();
+        for (i, (sender, cmid)) in [(2, "b"), (1, "z"), (1, "a"), (3, "a"), (2, "a"), (1, "m")]
+            .into_iter()
+            .enumerate()
+        {
+            c.execute(
+                "INSERT INTO messages (msg_id, conversation_id, seq, sender, client_msg_id, kind, content, status, version, created_at) \
+                 VALUES (?1, 'c', ?1, ?2, ?3, 'text', '', 'normal', 1, 0)",
+                params![i as i64 + 1, sender, cmid],
+            )
+            .unwrap();
+            want.push((sender as u64, cmid.to_owned()));
+        }
+        // A message without a key (a command message) is not a key.
+        c.execute(
+            "INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, status, version, created_at) \
+             VALUES (99, 'c', 99, 1, 'invite', '', 'normal', 1, 0)",
+            [],
+        )
+        .unwrap();
+        want.sort();
+        let mut got = Vec::new();
+        let mut after = None;
+        loop {
+            let page = idempotency_keys(&c, after, 4).unwrap();
+            got.extend(page.iter().map(|(u, m)| (u.get(), m.to_string())));
+            if page.len() < 4 {
+                break;
+            }
+            after = page.last().cloned();
+        }
+        assert_eq!(got, want);
+    }
 }
