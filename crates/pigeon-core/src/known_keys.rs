@@ -2,7 +2,7 @@
 //! send whose key was never seen skips the store look-up (one index probe per send was ~14 %
 //! of the server's time). A scalable Bloom filter: every key inserted answers "maybe" (no
 //! false negatives, so no duplicate is ever missed), a key never inserted answers "no" except
-//! for ~1 % false positives, which are simply looked up in the store.
+//! for a few false positives (0.1 % per filter of the chain), which are looked up in the store.
 //!
 //! Every stored key must be in it: the server fills it from the store at start, and the
 //! engine inserts each key it decides, whether or not its batch then commits (a key of a

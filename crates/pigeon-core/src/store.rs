@@ -100,6 +100,17 @@ pub struct ListCursor {
     pub conversation_id: ConversationId,
 }
 
+/// Where a page of idempotency keys ended: the raw key of its last row (a row whose key no
+/// longer parses still moves the cursor on).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyCursor {
+    pub sender: u64,
+    pub client_msg_id: String,
+}
+
+/// A page of idempotency keys and the cursor of the next page (`None` after the last).
+pub type KeyPage = (Vec<(UserId, ClientMsgId)>, Option<KeyCursor>);
+
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
     // The write pipeline.
@@ -109,13 +120,15 @@ pub trait Store: Send + Sync + 'static {
     async fn max_msg_id(&self) -> Result<u64, StoreError>;
     /// How many idempotency keys `(sender, client_msg_id)` are stored.
     async fn idempotency_key_count(&self) -> Result<u64, StoreError>;
-    /// Stored idempotency keys in key order, the first `limit` after `after`: at start the
-    /// engine learns them all, page by page (see `Engine::remember_key`).
+    /// Stored idempotency keys in key order, from the first `limit` rows after the cursor
+    /// `after` (`None`: from the start): at start the engine learns them all, page by page
+    /// (see `Engine::remember_key`). Answers the page's keys and the cursor of the next page,
+    /// `None` when this was the last.
     async fn idempotency_keys(
         &self,
-        after: Option<(UserId, ClientMsgId)>,
+        after: Option<KeyCursor>,
         limit: usize,
-    ) -> Result<Vec<(UserId, ClientMsgId)>, StoreError>;
+    ) -> Result<KeyPage, StoreError>;
 
     // Settings kept by the store (admin key, token secret).
     async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError>;

@@ -1,7 +1,9 @@
-//! The write pipeline: one task that takes commands in batches, lets the engine decide them,
-//! commits each batch in one transaction (group commit: one fsync for the whole batch), and
-//! only then answers and pushes. In the embedded mode this one task owns every partition,
-//! because SQLite has one writer; `seq` and `user_seq` therefore have exactly one owner.
+//! The write pipeline: a decider task takes commands as they arrive and lets the engine
+//! decide them into a batch; a committer task commits each batch in one transaction (group
+//! commit: one fsync for the whole batch) and only then answers and pushes. The two overlap:
+//! batch N+1 is decided while batch N commits. In the embedded mode the one decider owns
+//! every partition, because SQLite has one writer; `seq` and `user_seq` therefore have
+//! exactly one owner.
 
 use crate::hub::{Hub, Outbox, Outgoing};
 use pigeon_core::changes::{Changes, Event};
@@ -64,7 +66,8 @@ pub struct Pipeline {
 
 /// The work one batch may take from the bulk queue, in rows: a send into a write fan-out
 /// conversation costs one inbox row per member, into a read fan-out one a twentieth of its
-/// members (the pushes). Small enough that a batch carrying a flood still commits in a few
+/// members (the pushes). Sends are taken while the batch has spent less than this, so the
+/// last one may go past it (a batch always takes at least one). Small enough that a batch carrying a flood still commits in a few
 /// milliseconds, so single chats waiting behind it are not held up long.
 pub const BULK_BUDGET: u64 = 400;
 /// The bulk work a batch that also carries fast commands may take: a single chat's own
@@ -186,6 +189,26 @@ impl Pipeline {
         let (tx, rx) = oneshot::channel();
         self.submit(cmd, ReplyTo::Caller(tx)).await?;
         rx.await.map_err(|_| PipelineError::Unavailable)?
+    }
+
+    /// Waits until everything queued before the call, in both queues, is committed (or
+    /// refused).
+    pub async fn flush(&self) -> Result<(), PipelineError> {
+        let (fast_tx, fast_rx) = oneshot::channel();
+        let (bulk_tx, bulk_rx) = oneshot::channel();
+        for (queue, tx) in [(&self.tx, fast_tx), (&self.bulk_tx, bulk_tx)] {
+            queue
+                .send(Envelope {
+                    cmd: Command::Flush,
+                    reply: ReplyTo::Caller(tx),
+                })
+                .await
+                .map_err(|_| PipelineError::Unavailable)?;
+        }
+        for rx in [fast_rx, bulk_rx] {
+            rx.await.map_err(|_| PipelineError::Unavailable)??;
+        }
+        Ok(())
     }
 
     /// Queues a command; waits only while the queue is full.
@@ -407,7 +430,12 @@ async fn decide(
         // when the store is idle (the batch then goes right away); while it commits they are
         // decided in chunks, and the rest when it is done.
         let room = MAX_BATCH.saturating_sub(open.replies.len() + arrived.len());
-        if !arrived.is_empty() && (in_flight == 0 || arrived.len() >= DECIDE_CHUNK || room == 0) {
+        // With the store idle and a batch ready, the batch goes first (the select below):
+        // deciding more before it would keep the store waiting as long as commands arrive.
+        let store_idle_and_empty = in_flight == 0 && open.is_empty();
+        if !arrived.is_empty()
+            && (store_idle_and_empty || arrived.len() >= DECIDE_CHUNK || room == 0)
+        {
             decide_into(&*store, &mut engine, &mut open, &mut arrived).await;
             continue;
         }
@@ -432,6 +460,7 @@ async fn decide(
                 let Ok(permit) = permit else {
                     tracing::error!("the committer is gone");
                     open.refuse();
+                    answer_all_unavailable(arrived.drain(..).map(|e| e.reply));
                     return;
                 };
                 let mut b = std::mem::take(&mut open);
@@ -468,8 +497,14 @@ async fn decide_into(
     if let Err(e) = load(store, engine, &cmds).await {
         tracing::error!(error = %e, commands = cmds.len(), "loading state failed; commands refused");
         answer_all_unavailable(replies);
+        if open.is_empty() {
+            // Nothing of this batch was decided: its share of the bulk queue starts over, or
+            // a batch that never goes would keep the bulk queue waiting.
+            *open = OpenBatch::default();
+        }
         return;
     }
+    // One sample per decision step (several per batch), store read included.
     metrics::histogram!("pigeon_load_seconds").record(load_started.elapsed().as_secs_f64());
     let now = now_ms();
     for (cmd, reply) in cmds.into_iter().zip(replies) {
@@ -511,7 +546,8 @@ async fn commit(
         metrics::histogram!("pigeon_store_commit_seconds")
             .record(commit_started.elapsed().as_secs_f64());
         metrics::histogram!("pigeon_batch_size").record(n as f64);
-        metrics::histogram!("pigeon_commit_seconds").record(d.started.elapsed().as_secs_f64());
+        // From the batch's first decision to its durable commit: what its first command waited.
+        metrics::histogram!("pigeon_batch_seconds").record(d.started.elapsed().as_secs_f64());
         stats.record(n, &counts);
         if !deliver_batch(d.replies, d.events, &large_set, &delivery).await {
             tracing::error!("a delivery task is gone");
@@ -520,17 +556,21 @@ async fn commit(
     }
 }
 
-/// Hands a committed batch's answers and events to the delivery tasks. Conversations of this
-/// batch in the large tier, with the cost of one send into each (see [`BULK_BUDGET`]): their
-/// acks and pushes go to the bulk delivery task, and their later sends to the bulk queue
-/// (sticky). False when a delivery task is gone.
+/// Hands a committed batch's answers and events to the delivery tasks. A conversation whose
+/// send in this batch reached more than [`LARGE_TIER_MEMBERS`] joins the large set (sticky,
+/// with the cost of one send into it; see [`BULK_BUDGET`]); every ack, push and receipt of a
+/// conversation in that set goes to the bulk delivery task, everything else to the fast
+/// one, so one conversation's frames keep their order from batch to batch. (The batch in
+/// which a conversation joins is the one place where its earlier frames, still queued on
+/// the fast task, may be passed: clients fill such a gap from `pull`.) False when a
+/// delivery task is gone.
 async fn deliver_batch(
     replies: Vec<(ReplyTo, Result<Reply, DomainError>)>,
     events: Vec<Event>,
     large_set: &LargeConversations,
     delivery: &Tiers,
 ) -> bool {
-    let large: HashMap<String, u64> = events
+    let joining: Vec<(pigeon_proto::ConversationId, u64)> = events
         .iter()
         .filter_map(|e| match e {
             Event::Message {
@@ -539,42 +579,55 @@ async fn deliver_batch(
             } if recipients.len() > LARGE_TIER_MEMBERS => {
                 let n = recipients.len() as u64;
                 let write_fanout = recipients.first().is_some_and(|r| r.user_seq.is_some());
-                Some((
-                    message.conversation_id.clone(),
-                    if write_fanout { n } else { (n / 20).max(1) },
-                ))
+                let cost = if write_fanout { n } else { (n / 20).max(1) };
+                pigeon_proto::ConversationId::parse(&message.conversation_id)
+                    .ok()
+                    .map(|c| (c, cost))
             }
             _ => None,
         })
         .collect();
-    if !large.is_empty() {
-        let mut sticky = large_set.write().expect("large set lock");
-        for (id, cost) in &large {
-            if let Ok(c) = pigeon_proto::ConversationId::parse(id) {
-                sticky.insert(c, *cost);
-            }
-        }
+    if !joining.is_empty() {
+        large_set.write().expect("large set lock").extend(joining);
     }
     let (mut fast, mut bulk) = (Delivery::default(), Delivery::default());
-    for (reply, result) in replies {
-        match reply {
-            ReplyTo::Caller(tx) => {
-                let _ = tx.send(result.map_err(PipelineError::from));
-            }
-            ReplyTo::Connection { outbox, req } => {
-                let in_large = matches!(&result, Ok(Reply::SendAck(a)) if !a.duplicate && large.contains_key(a.conversation_id.as_str()));
-                if let Some(frame) = connection_reply(req, result) {
-                    if in_large { &mut bulk } else { &mut fast }
-                        .replies
-                        .push((outbox, frame));
+    {
+        let large = large_set.read().expect("large set lock");
+        // Message events name their conversation as a string: parsed once per conversation.
+        let mut message_in_large: HashMap<&str, bool> = HashMap::new();
+        let mut in_large = Vec::with_capacity(events.len());
+        for e in &events {
+            in_large.push(match e {
+                Event::Message { message, .. } => {
+                    let id = message.conversation_id.as_str();
+                    *message_in_large.entry(id).or_insert_with(|| {
+                        pigeon_proto::ConversationId::parse(id)
+                            .is_ok_and(|c| large.contains_key(&c))
+                    })
                 }
-            }
-            ReplyTo::Nobody => {}
+                Event::Receipt { conversation, .. } => large.contains_key(conversation),
+                Event::SettingsChanged { .. } | Event::LoggedOut { .. } => false,
+            });
         }
-    }
-    for e in events {
-        let in_large = matches!(&e, Event::Message { message, .. } if large.contains_key(&message.conversation_id));
-        if in_large { &mut bulk } else { &mut fast }.events.push(e);
+        for (reply, result) in replies {
+            match reply {
+                ReplyTo::Caller(tx) => {
+                    let _ = tx.send(result.map_err(PipelineError::from));
+                }
+                ReplyTo::Connection { outbox, req } => {
+                    let in_large = matches!(&result, Ok(Reply::SendAck(a)) if large.contains_key(&a.conversation_id));
+                    if let Some(frame) = connection_reply(req, result) {
+                        if in_large { &mut bulk } else { &mut fast }
+                            .replies
+                            .push((outbox, frame));
+                    }
+                }
+                ReplyTo::Nobody => {}
+            }
+        }
+        for (e, in_large) in events.into_iter().zip(in_large) {
+            if in_large { &mut bulk } else { &mut fast }.events.push(e);
+        }
     }
     let fast_ok = fast.is_empty() || delivery.fast.send(fast).await.is_ok();
     let bulk_ok = bulk.is_empty() || delivery.bulk.send(bulk).await.is_ok();

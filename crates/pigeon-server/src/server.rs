@@ -7,7 +7,6 @@ use crate::auth::{TokenSigner, random_secret};
 use crate::config::{Config, DurabilityMode};
 use crate::hub::Hub;
 use crate::pipeline::Pipeline;
-use pigeon_core::command::Command;
 use pigeon_core::engine::{Engine, EngineConfig};
 use pigeon_core::store::Store;
 use pigeon_store_sqlite::{Durability, SqliteStore};
@@ -184,7 +183,7 @@ impl Running {
         self.app.draining.store(true, Ordering::SeqCst);
         let _ = self.app.shutdown.send(true);
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), self.serve).await;
-        if let Err(e) = self.app.pipeline.call(Command::Flush).await {
+        if let Err(e) = self.app.pipeline.flush().await {
             tracing::warn!(error = %e, "final flush failed");
         }
         tracing::info!("pigeon stopped");
@@ -207,14 +206,12 @@ async fn learn_idempotency_keys(
     );
     let mut after = None;
     loop {
-        let page = store.idempotency_keys(after, PAGE).await?;
-        for (sender, cmid) in &page {
+        let (keys, next) = store.idempotency_keys(after, PAGE).await?;
+        for (sender, cmid) in &keys {
             engine.remember_key(*sender, cmid);
         }
-        if page.len() < PAGE {
-            break;
-        }
-        after = page.last().cloned();
+        let Some(next) = next else { break };
+        after = Some(next);
         tracing::info!(
             loaded = engine.known_key_count(),
             total,

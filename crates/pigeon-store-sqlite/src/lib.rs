@@ -11,12 +11,12 @@ mod write;
 use async_trait::async_trait;
 use pigeon_core::changes::Changes;
 use pigeon_core::store::{
-    AuditedMessage, HistoryQuery, ListCursor, Loaded, Membership, Needs, Store, StoreError,
-    UserRecord,
+    AuditedMessage, HistoryQuery, KeyCursor, KeyPage, ListCursor, Loaded, Membership, Needs, Store,
+    StoreError, UserRecord,
 };
 use pigeon_proto::frames::SyncConversation;
 use pigeon_proto::views::{ChainItem, ConversationView, MemberView, VersionView};
-use pigeon_proto::{ClientMsgId, ConversationId, Message, MsgId, UserId};
+use pigeon_proto::{ConversationId, Message, MsgId, UserId};
 use rusqlite::{Connection, OpenFlags};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -214,9 +214,9 @@ impl Store for SqliteStore {
 
     async fn idempotency_keys(
         &self,
-        after: Option<(UserId, ClientMsgId)>,
+        after: Option<KeyCursor>,
         limit: usize,
-    ) -> Result<Vec<(UserId, ClientMsgId)>, StoreError> {
+    ) -> Result<KeyPage, StoreError> {
         self.read(move |c| read::idempotency_keys(c, after, limit))
             .await
     }

@@ -3,7 +3,8 @@
 
 use crate::rows::{self, MESSAGE_COLUMN_COUNT, MESSAGE_COLUMNS};
 use pigeon_core::store::{
-    AuditedMessage, HistoryAnchor, HistoryQuery, ListCursor, Membership, UserRecord,
+    AuditedMessage, HistoryAnchor, HistoryQuery, KeyCursor, KeyPage, ListCursor, Membership,
+    UserRecord,
 };
 use pigeon_proto::frames::SyncConversation;
 use pigeon_proto::views::{
@@ -479,14 +480,15 @@ pub fn receipts(
 }
 
 /// Stored idempotency keys in key order after `after` (walks the unique
-/// `(sender, client_msg_id)` index). Rows that would not parse are skipped: they cannot
-/// collide with a valid new key.
+/// `(sender, client_msg_id)` index), and the cursor of the next page when `limit` rows were
+/// read. Keys that would not parse are left out (they cannot collide with a valid new key)
+/// but still move the cursor.
 pub fn idempotency_keys(
     c: &Connection,
-    after: Option<(UserId, ClientMsgId)>,
+    after: Option<KeyCursor>,
     limit: usize,
-) -> rusqlite::Result<Vec<(UserId, ClientMsgId)>> {
-    let (sender, cmid) = after.map_or((0, String::new()), |(u, m)| (u.get() as i64, m.to_string()));
+) -> rusqlite::Result<KeyPage> {
+    let (sender, cmid) = after.map_or((0, String::new()), |k| (k.sender as i64, k.client_msg_id));
     let mut st = c.prepare_cached(
         "SELECT sender, client_msg_id FROM messages \
          WHERE client_msg_id IS NOT NULL AND (sender, client_msg_id) > (?1, ?2) \
@@ -496,13 +498,19 @@ pub fn idempotency_keys(
         Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
     })?;
     let mut out = Vec::with_capacity(limit.min(65_536));
+    let (mut read, mut last) = (0, None);
     for row in rows {
         let (u, m) = row?;
-        if let (Ok(u), Ok(m)) = (UserId::new(u as u64), ClientMsgId::parse(&m)) {
-            out.push((u, m));
+        read += 1;
+        if let (Ok(sender), Ok(cmid)) = (UserId::new(u as u64), ClientMsgId::parse(&m)) {
+            out.push((sender, cmid));
         }
+        last = Some(KeyCursor {
+            sender: u as u64,
+            client_msg_id: m,
+        });
     }
-    Ok(out)
+    Ok((out, if read == limit { last } else { None }))
 }
 
 #[cfg(test)]
@@ -534,16 +542,26 @@ mod tests {
         )
         .unwrap();
         want.sort();
+        // A key that no longer parses (too long) is left out but paged past.
+        c.execute(
+            "INSERT INTO messages (msg_id, conversation_id, seq, sender, client_msg_id, kind, content, status, version, created_at) \
+             VALUES (98, 'c', 98, 1, ?1, 'text', '', 'normal', 1, 0)",
+            [format!("n{}", "x".repeat(80))],
+        )
+        .unwrap();
         let mut got = Vec::new();
         let mut after = None;
+        let mut pages = 0;
         loop {
-            let page = idempotency_keys(&c, after, 4).unwrap();
-            got.extend(page.iter().map(|(u, m)| (u.get(), m.to_string())));
-            if page.len() < 4 {
-                break;
+            let (keys, next) = idempotency_keys(&c, after, 4).unwrap();
+            pages += 1;
+            got.extend(keys.iter().map(|(u, m)| (u.get(), m.to_string())));
+            match next {
+                Some(n) => after = Some(n),
+                None => break,
             }
-            after = page.last().cloned();
         }
         assert_eq!(got, want);
+        assert_eq!(pages, 2, "7 rows in pages of 4");
     }
 }
