@@ -43,6 +43,8 @@ pub struct Counters {
     /// Sends answered `rate_limited` or `unavailable`, sent again.
     pub retried: AtomicU64,
     pub errors: AtomicU64,
+    /// Sending connections that have seen the order to stop sending (or ended).
+    pub stopped_senders: AtomicU64,
 }
 
 pub struct Shared {
@@ -64,6 +66,8 @@ impl Shared {
 #[derive(Clone, Copy, Default, Debug)]
 pub struct Ctl {
     pub send: [bool; 2],
+    /// Sending is over for good: each sending connection says it has seen this.
+    pub stop: bool,
     pub finish: bool,
 }
 
@@ -267,16 +271,23 @@ pub struct Run {
     pub shared: Arc<Shared>,
     ctl: watch::Sender<Ctl>,
     tasks: Vec<tokio::task::JoinHandle<ConnReport>>,
+    senders: u64,
 }
 
 impl Run {
     pub fn start(conns: Vec<(Spec, WsConn)>, shared: Arc<Shared>) -> Run {
         let (ctl, rx) = watch::channel(Ctl::default());
+        let senders = conns.iter().filter(|(spec, _)| spec.send.is_some()).count() as u64;
         let tasks = conns
             .into_iter()
             .map(|(spec, ws)| tokio::spawn(drive(ws, spec, shared.clone(), rx.clone())))
             .collect();
-        Run { shared, ctl, tasks }
+        Run {
+            shared,
+            ctl,
+            tasks,
+            senders,
+        }
     }
 
     pub fn set(&self, f: impl FnOnce(&mut Ctl)) {
@@ -286,11 +297,17 @@ impl Run {
     /// Stops every sender and waits (at most `max`) until every send has its answer and every
     /// acknowledged message reached every member connection. True when everything arrived.
     pub async fn drain(&self, max: Duration) -> bool {
-        self.set(|c| c.send = [false, false]);
+        self.set(|c| {
+            c.send = [false, false];
+            c.stop = true;
+        });
         let until = Instant::now() + max;
         let c = &self.shared.counters;
         loop {
-            if c.inflight.load(Relaxed) <= 0
+            // First every sender must have seen the stop: one that has not may still start a
+            // send after `inflight` was read as zero.
+            if c.stopped_senders.load(Relaxed) >= self.senders
+                && c.inflight.load(Relaxed) <= 0
                 && c.deliveries.load(Relaxed) >= c.expected.load(Relaxed)
             {
                 return true;
@@ -371,7 +388,12 @@ async fn drive(
         plan: spec.send,
     };
     let mut c = *ctl.borrow_and_update();
+    let mut told_stopped = false;
     loop {
+        if c.stop && !told_stopped && d.plan.is_some() {
+            told_stopped = true;
+            d.sh.counters.stopped_senders.fetch_add(1, Relaxed);
+        }
         if c.finish {
             break;
         }
@@ -422,6 +444,10 @@ async fn drive(
                 c = *ctl.borrow_and_update();
             }
         }
+    }
+    if !told_stopped && d.plan.is_some() {
+        // Ended early (failed): it sends no more either.
+        d.sh.counters.stopped_senders.fetch_add(1, Relaxed);
     }
     if d.r.online_throughout {
         let _ = d.flush_acks(&mut ws).await;
