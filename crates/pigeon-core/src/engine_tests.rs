@@ -34,15 +34,9 @@ fn engine(n: u64, write_max: u64) -> Engine {
     e
 }
 
-fn send(
-    e: &mut Engine,
-    from: u64,
-    to: SendTo,
-    cmid: &str,
-    ch: &mut Changes,
-    ev: &mut Vec<Event>,
-) -> Result<Reply, DomainError> {
-    let cmd = Command::Send(SendCommand {
+/// A text send of "x".
+fn send_cmd(from: u64, to: SendTo, cmid: &str) -> Command {
+    Command::Send(SendCommand {
         sender: uid(from),
         to,
         client_msg_id: ClientMsgId::parse(cmid).unwrap(),
@@ -51,7 +45,18 @@ fn send(
         extra: serde_json::Value::Null,
         reply_to: None,
         mentions: vec![],
-    });
+    })
+}
+
+fn send(
+    e: &mut Engine,
+    from: u64,
+    to: SendTo,
+    cmid: &str,
+    ch: &mut Changes,
+    ev: &mut Vec<Event>,
+) -> Result<Reply, DomainError> {
+    let cmd = send_cmd(from, to, cmid);
     // A fresh conversation in this test is known to be absent.
     for c in e.needs(std::slice::from_ref(&cmd)).conversations {
         let needs = Needs {
@@ -356,16 +361,7 @@ fn a_batch_decided_while_the_previous_commits_sees_its_sends() {
         &mut ev2,
     ));
     assert_eq!(next.seq, first.seq + 1);
-    let retry_cmd = Command::Send(SendCommand {
-        sender: uid(1),
-        to: SendTo::User(uid(2)),
-        client_msg_id: ClientMsgId::parse("k1").unwrap(),
-        kind: MessageKind::Text,
-        content: "x".into(),
-        extra: serde_json::Value::Null,
-        reply_to: None,
-        mentions: vec![],
-    });
+    let retry_cmd = send_cmd(1, SendTo::User(uid(2)), "k1");
     assert!(
         e.needs(std::slice::from_ref(&retry_cmd)).dedupe.is_empty(),
         "batch 1's key is still known from memory"
@@ -375,13 +371,7 @@ fn a_batch_decided_while_the_previous_commits_sees_its_sends() {
     // Once batch 1 is durable its memory goes (the store answers now); batch 2's stays.
     e.committed(b1);
     assert_eq!(e.needs(std::slice::from_ref(&retry_cmd)).dedupe.len(), 1);
-    let k2 = Command::Send(SendCommand {
-        client_msg_id: ClientMsgId::parse("k2").unwrap(),
-        ..match retry_cmd {
-            Command::Send(s) => s,
-            _ => unreachable!(),
-        }
-    });
+    let k2 = send_cmd(1, SendTo::User(uid(2)), "k2");
     assert!(e.needs(std::slice::from_ref(&k2)).dedupe.is_empty());
     e.committed(b2);
     assert_eq!(e.needs(std::slice::from_ref(&k2)).dedupe.len(), 1);
@@ -390,18 +380,7 @@ fn a_batch_decided_while_the_previous_commits_sees_its_sends() {
 #[test]
 fn only_keys_the_store_may_hold_are_looked_up() {
     let mut e = engine(2, 500);
-    let cmd = |cmid: &str| {
-        Command::Send(SendCommand {
-            sender: uid(1),
-            to: SendTo::User(uid(2)),
-            client_msg_id: ClientMsgId::parse(cmid).unwrap(),
-            kind: MessageKind::Text,
-            content: "x".into(),
-            extra: serde_json::Value::Null,
-            reply_to: None,
-            mentions: vec![],
-        })
-    };
+    let cmd = |cmid: &str| send_cmd(1, SendTo::User(uid(2)), cmid);
     // A key never stored and never decided is new for sure: no look-up.
     assert!(e.needs(&[cmd("fresh")]).dedupe.is_empty());
     // A key the store holds (told at start) is looked up.

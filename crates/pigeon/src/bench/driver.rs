@@ -482,10 +482,8 @@ impl Driver {
         let Some(plan) = &self.plan else {
             return Ok(());
         };
-        if !c.send[plan.class] {
-            self.next_at = None;
-            return Ok(());
-        }
+        // Retries first, even once sending has stopped: a send already made must get its
+        // answer for the run to drain.
         let mut due = Vec::new();
         self.retries.retain(|(at, req)| {
             if *at <= now {
@@ -504,6 +502,10 @@ impl Driver {
                     .map_err(|e| e.to_string())?;
                 self.last_write = now;
             }
+        }
+        if !c.send[plan.class] {
+            self.next_at = None;
+            return Ok(());
         }
         loop {
             if self.inflight.len() >= plan.window
@@ -557,15 +559,13 @@ impl Driver {
         }
         if let Some(plan) = &self.plan
             && c.send[plan.class]
+            && let Some(next) = self.next_at
+            && self.inflight.len() < plan.window
         {
-            if let Some(next) = self.next_at
-                && self.inflight.len() < plan.window
-            {
-                at = at.min(next);
-            }
-            if let Some(r) = self.retries.iter().map(|(t, _)| *t).min() {
-                at = at.min(r);
-            }
+            at = at.min(next);
+        }
+        if let Some(r) = self.retries.iter().map(|(t, _)| *t).min() {
+            at = at.min(r);
         }
         at.max(now)
     }
