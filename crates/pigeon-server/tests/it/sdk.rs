@@ -84,7 +84,8 @@ async fn every_client_sees_every_message_once_in_order_through_a_faulty_network(
         reorder: 0.05,
         cut: 0.004,
         max_delay_ms: 3,
-        seed: 7,
+        // Other seeds and sizes by hand: PIGEON_PROXY_SEED=3 PIGEON_PROXY_SENDS=50.
+        seed: env_or("PIGEON_PROXY_SEED", 7),
     };
     let proxy = proxy::start(s.ws_base.clone(), faults).await;
 
@@ -93,7 +94,7 @@ async fn every_client_sees_every_message_once_in_order_through_a_faulty_network(
         let (c, shown) = start_client(sdk_config(&proxy.ws_base, &tokens[u], &format!("dev{u}")));
         clients.insert(*u, (Arc::new(c), shown));
     }
-    let per_user = 200;
+    let per_user = env_or("PIGEON_PROXY_SENDS", 200) as usize;
     let mut sends = Vec::new();
     for u in users.clone() {
         let client = clients[&u].0.clone();
@@ -305,4 +306,12 @@ async fn crossing_the_fanout_threshold_with_messages_in_flight() {
             i + 1
         );
     }
+}
+
+/// A number from the environment, or `default`.
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
