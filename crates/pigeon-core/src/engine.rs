@@ -635,17 +635,8 @@ impl Engine {
     }
 
     fn create_single(&mut self, id: &ConversationId, a: UserId, b: UserId, now: i64) {
-        let member = |_| MemberState {
-            role: Role::Member,
-            joined_seq: 1,
-            joined_at: now,
-            mute_until: None,
-            last_read_seq: 0,
-            pinned: false,
-            muted: false,
-            hidden_seq: None,
-        };
-        let members = [(a, member(a)), (b, member(b))].into_iter().collect();
+        let member = || MemberState::joined(Role::Member, 1, 0, now);
+        let members = [(a, member()), (b, member())].into_iter().collect();
         self.absent.remove(id);
         self.conversations.insert(
             id.clone(),
@@ -689,19 +680,7 @@ impl Engine {
                 } else {
                     Role::Member
                 };
-                (
-                    *u,
-                    MemberState {
-                        role,
-                        joined_seq: 1,
-                        joined_at: now,
-                        mute_until: None,
-                        last_read_seq: 0,
-                        pinned: false,
-                        muted: false,
-                        hidden_seq: None,
-                    },
-                )
+                (*u, MemberState::joined(role, 1, 0, now))
             })
             .collect();
         self.conversations.insert(
@@ -765,16 +744,7 @@ impl Engine {
         for u in &fresh {
             conv.members.insert(
                 *u,
-                MemberState {
-                    role: Role::Member,
-                    joined_seq: invite_seq,
-                    joined_at: now,
-                    mute_until: None,
-                    last_read_seq: invite_seq,
-                    pinned: false,
-                    muted: false,
-                    hidden_seq: None,
-                },
+                MemberState::joined(Role::Member, invite_seq, invite_seq, now),
             );
         }
         for u in &fresh {

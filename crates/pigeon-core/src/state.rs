@@ -21,6 +21,21 @@ pub struct MemberState {
 }
 
 impl MemberState {
+    /// A member who joined at `joined_seq` with `role`, having read up to `last_read_seq`,
+    /// with no settings of their own yet.
+    pub fn joined(role: Role, joined_seq: u64, last_read_seq: u64, now: i64) -> Self {
+        MemberState {
+            role,
+            joined_seq,
+            joined_at: now,
+            mute_until: None,
+            last_read_seq,
+            pinned: false,
+            muted: false,
+            hidden_seq: None,
+        }
+    }
+
     pub fn hidden(&self, conversation_seq: u64) -> bool {
         self.hidden_seq.is_some_and(|h| conversation_seq <= h)
     }

@@ -1,7 +1,7 @@
 //! Conversations over HTTP: the list, one conversation, history pages, read marks, receipts,
 //! settings, unread counts, and the long-polling pull-mode sync.
 
-use super::{ApiJson, ApiQuery, AuthUser};
+use super::{ApiJson, ApiQuery, AuthUser, run_then_view};
 use crate::app::{AppRef, PULL_MAX, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
@@ -241,14 +241,17 @@ pub async fn settings(
         muted: b.muted,
         hidden: b.hidden,
     };
-    app.pipeline
-        .call(Command::Settings {
+    run_then_view(
+        &app,
+        me,
+        &conv,
+        Command::Settings {
             user: me,
             conversation: conv.clone(),
             patch,
-        })
-        .await?;
-    Ok(Json(app.conversation(me, &conv).await?))
+        },
+    )
+    .await
 }
 
 pub async fn unread(AuthUser(me): AuthUser, State(app): State<AppRef>) -> ApiResult<Json<Value>> {

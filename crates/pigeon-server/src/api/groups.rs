@@ -1,7 +1,7 @@
 //! Group management over HTTP. Every change goes through the pipeline, which checks who may
 //! make it and appends the command message that tells every member.
 
-use super::{ApiJson, ApiQuery, AuthUser, empty, path_user};
+use super::{ApiJson, ApiQuery, AuthUser, path_user, run, run_then_view};
 use crate::app::{AppRef, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
@@ -77,14 +77,17 @@ pub async fn update(
         notice: b.notice,
         avatar: b.avatar,
     };
-    app.pipeline
-        .call(Command::UpdateGroup {
+    run_then_view(
+        &app,
+        me,
+        &conv,
+        Command::UpdateGroup {
             actor: me,
             conversation: conv.clone(),
             patch,
-        })
-        .await?;
-    Ok(Json(app.conversation(me, &conv).await?))
+        },
+    )
+    .await
 }
 
 #[derive(Deserialize)]
@@ -99,14 +102,17 @@ pub async fn invite(
     ApiJson(b): ApiJson<InviteBody>,
 ) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
-    app.pipeline
-        .call(Command::Invite {
+    run_then_view(
+        &app,
+        me,
+        &conv,
+        Command::Invite {
             actor: me,
             conversation: conv.clone(),
             users: b.user_ids,
-        })
-        .await?;
-    Ok(Json(app.conversation(me, &conv).await?))
+        },
+    )
+    .await
 }
 
 pub async fn remove(
@@ -116,14 +122,15 @@ pub async fn remove(
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
-    app.pipeline
-        .call(Command::RemoveMember {
+    run(
+        &app,
+        Command::RemoveMember {
             actor: me,
             conversation: conv,
             user,
-        })
-        .await?;
-    Ok(empty())
+        },
+    )
+    .await
 }
 
 async fn set_admin(
@@ -135,15 +142,16 @@ async fn set_admin(
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
-    app.pipeline
-        .call(Command::SetAdmin {
+    run(
+        &app,
+        Command::SetAdmin {
             actor: me,
             conversation: conv,
             user,
             admin,
-        })
-        .await?;
-    Ok(empty())
+        },
+    )
+    .await
 }
 
 pub async fn add_admin(
@@ -175,15 +183,16 @@ pub async fn mute(
     ApiJson(b): ApiJson<MuteBody>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
-    app.pipeline
-        .call(Command::Mute {
+    run(
+        &app,
+        Command::Mute {
             actor: me,
             conversation: conv,
             user: b.user_id,
             duration_secs: b.duration_secs,
-        })
-        .await?;
-    Ok(empty())
+        },
+    )
+    .await
 }
 
 pub async fn unmute(
@@ -193,14 +202,15 @@ pub async fn unmute(
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
-    app.pipeline
-        .call(Command::Unmute {
+    run(
+        &app,
+        Command::Unmute {
             actor: me,
             conversation: conv,
             user,
-        })
-        .await?;
-    Ok(empty())
+        },
+    )
+    .await
 }
 
 pub async fn dismiss(
@@ -209,13 +219,14 @@ pub async fn dismiss(
     Path(id): Path<String>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
-    app.pipeline
-        .call(Command::Dismiss {
+    run(
+        &app,
+        Command::Dismiss {
             actor: me,
             conversation: conv,
-        })
-        .await?;
-    Ok(empty())
+        },
+    )
+    .await
 }
 
 #[derive(Deserialize)]

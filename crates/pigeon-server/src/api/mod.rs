@@ -195,3 +195,23 @@ pub fn path_msg_id(s: &str) -> Result<pigeon_proto::MsgId, ApiError> {
 pub fn empty() -> axum::Json<serde_json::Value> {
     axum::Json(serde_json::json!({}))
 }
+
+/// Runs `cmd` through the pipeline and answers `{}` once it is committed.
+pub async fn run(
+    app: &AppRef,
+    cmd: pigeon_core::Command,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    app.pipeline.call(cmd).await?;
+    Ok(empty())
+}
+
+/// Runs `cmd` through the pipeline and answers `me`'s view of `conv` after it.
+pub async fn run_then_view(
+    app: &AppRef,
+    me: UserId,
+    conv: &pigeon_proto::ConversationId,
+    cmd: pigeon_core::Command,
+) -> Result<axum::Json<pigeon_proto::views::ConversationView>, ApiError> {
+    app.pipeline.call(cmd).await?;
+    Ok(axum::Json(app.conversation(me, conv).await?))
+}

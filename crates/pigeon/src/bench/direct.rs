@@ -2,11 +2,9 @@
 //! at a fixed total rate) for a while. Reports send→ack and send→delivered latency, messages
 //! delivered per second and the server's CPU.
 
-use super::driver::{self, SINGLE_P1, SendPlan, Spec};
+use super::driver::{self, PairPlan, SINGLE_P1};
 use super::{Common, MAX_CONNECTIONS_PER_PROCESS, Report, Res, Target, make_users, user_id_base};
-use serde_json::json;
 use std::process::ExitCode;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 #[derive(clap::Args)]
@@ -62,40 +60,18 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
     let ids: Vec<u64> = (0..users as u64).map(|i| base + i).collect();
     let tokens = make_users(&target.admin, &ids).await?;
     let interval = a.rate.map(|r| Duration::from_secs_f64(users as f64 / r));
+    let plan = PairPlan {
+        window: a.window,
+        interval,
+        size: a.size,
+    };
     let specs = ids
         .iter()
         .zip(tokens)
         .enumerate()
-        .map(|(i, (&id, token))| {
-            let peer = ids[i ^ 1];
-            Spec {
-                user: id,
-                token,
-                device: format!("bench-{i}"),
-                send: Some(SendPlan {
-                    to: json!({"user": peer}),
-                    fanout: 2,
-                    window: a.window,
-                    interval,
-                    limit: None,
-                    size: a.size,
-                    class: 0,
-                }),
-                expect: vec![format!("{}-{}", id.min(peer), id.max(peer))],
-                completion: false,
-            }
-        })
+        .map(|(i, (&id, token))| driver::pair_spec(i, id, ids[i ^ 1], token, plan))
         .collect();
-    let driver::Measured {
-        mut out,
-        shared,
-        send_secs,
-        elapsed,
-        server_cpu,
-        own_cpu,
-        sent,
-        delivered,
-    } = driver::measure(
+    let mut m = driver::measure(
         &target.ws_base(),
         specs,
         target.pid,
@@ -103,39 +79,17 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
         a.common.drain_secs,
     )
     .await?;
-    let k = &shared.counters;
     let mut rep = Report::new(
         "direct",
         format!(
             "pigeon bench direct: {users} users in pairs, {}, {:.1} s",
-            match a.rate {
-                Some(r) => format!("{r} msgs/s total (window {})", a.window),
-                None => format!("window {}", a.window),
-            },
+            driver::pace(a.rate, a.window),
             a.duration
         ),
     );
     rep.set("server", target.describe());
     rep.set("users", users);
-    rep.set("window", a.window);
-    rep.num("rate", a.rate);
-    rep.num("duration_secs", Some(send_secs));
-    rep.num("elapsed_secs", Some(elapsed));
-    rep.set("sent", sent);
-    rep.set("acked", out.acked);
-    rep.set("delivered", delivered);
-    rep.num("acked_per_sec", Some(out.acked as f64 / send_secs));
-    rep.num("delivered_per_sec", Some(delivered as f64 / elapsed));
-    rep.latency(
-        "ack_latency_ms",
-        std::mem::take(&mut out.ack_lat[SINGLE_P1]),
-    );
-    rep.latency(
-        "delivery_latency_ms",
-        std::mem::take(&mut out.delivery_lat[SINGLE_P1]),
-    );
-    rep.num("server_cpu_percent", server_cpu);
-    rep.num("bench_cpu_percent", own_cpu);
-    rep.set("retried", k.retried.load(Relaxed));
-    Ok(rep.finish(&out.checks, a.common.json.as_deref()))
+    m.report_run(&mut rep, (a.rate, a.window), SINGLE_P1, "delivered_per_sec");
+    m.report_cost(&mut rep);
+    Ok(rep.finish(&m.out.checks, a.common.json.as_deref()))
 }

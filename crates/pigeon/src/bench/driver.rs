@@ -199,6 +199,82 @@ pub struct Measured {
     pub delivered: u64,
 }
 
+impl Measured {
+    /// The figures every send-then-drain scenario reports, in their order: pace, times,
+    /// counts, rates (`delivered_key` names the delivery rate) and the latencies of `bucket`.
+    pub fn report_run(
+        &mut self,
+        rep: &mut super::Report,
+        (rate, window): (Option<f64>, usize),
+        bucket: usize,
+        delivered_key: &str,
+    ) {
+        rep.set("window", window);
+        rep.num("rate", rate);
+        rep.num("duration_secs", Some(self.send_secs));
+        rep.num("elapsed_secs", Some(self.elapsed));
+        rep.set("sent", self.sent);
+        rep.set("acked", self.out.acked);
+        rep.set("delivered", self.delivered);
+        rep.num(
+            "acked_per_sec",
+            Some(self.out.acked as f64 / self.send_secs),
+        );
+        rep.num(delivered_key, Some(self.delivered as f64 / self.elapsed));
+        rep.latency(
+            "ack_latency_ms",
+            std::mem::take(&mut self.out.ack_lat[bucket]),
+        );
+        rep.latency(
+            "delivery_latency_ms",
+            std::mem::take(&mut self.out.delivery_lat[bucket]),
+        );
+    }
+
+    /// What the run cost (server and load tool CPU) and how many sends were retried.
+    pub fn report_cost(&self, rep: &mut super::Report) {
+        rep.num("server_cpu_percent", self.server_cpu);
+        rep.num("bench_cpu_percent", self.own_cpu);
+        rep.set("retried", self.shared.counters.retried.load(Relaxed));
+    }
+}
+
+/// How a scenario paces its senders, for its title.
+pub fn pace(rate: Option<f64>, window: usize) -> String {
+    match rate {
+        Some(r) => format!("{r} msgs/s total (window {window})"),
+        None => format!("window {window}"),
+    }
+}
+
+/// Connection `i` of a pair of users chatting one to one (`peer` is the other).
+pub fn pair_spec(i: usize, user: u64, peer: u64, token: String, plan: PairPlan) -> Spec {
+    Spec {
+        user,
+        token,
+        device: format!("bench-{i}"),
+        send: Some(SendPlan {
+            to: json!({"user": peer}),
+            fanout: 2,
+            window: plan.window,
+            interval: plan.interval,
+            limit: None,
+            size: plan.size,
+            class: 0,
+        }),
+        expect: vec![format!("{}-{}", user.min(peer), user.max(peer))],
+        completion: false,
+    }
+}
+
+/// How a one-to-one pair sends (see [`pair_spec`]).
+#[derive(Clone, Copy)]
+pub struct PairPlan {
+    pub window: usize,
+    pub interval: Option<Duration>,
+    pub size: usize,
+}
+
 /// Connects `specs`, lets them send for `duration_secs`, drains for at most `drain_secs`,
 /// and evaluates what every connection saw.
 pub async fn measure(

@@ -11,7 +11,6 @@ use super::{
 use pigeon_client::Http;
 use serde_json::json;
 use std::process::ExitCode;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 #[derive(clap::Args)]
@@ -145,16 +144,7 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
             }
         })
         .collect();
-    let driver::Measured {
-        mut out,
-        shared,
-        send_secs,
-        elapsed,
-        server_cpu,
-        own_cpu,
-        sent,
-        delivered,
-    } = driver::measure(
+    let mut run = driver::measure(
         &target.ws_base(),
         specs,
         target.pid,
@@ -162,16 +152,12 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
         a.common.drain_secs,
     )
     .await?;
-    let k = &shared.counters;
     let mut rep = Report::new(
         "group",
         format!(
             "pigeon bench group: {g} groups x {m} members ({fanout_mode} fan-out), {} senders each, {}, {:.1} s",
             a.senders,
-            match a.rate {
-                Some(r) => format!("{r} msgs/s total (window {})", a.window),
-                None => format!("window {}", a.window),
-            },
+            driver::pace(a.rate, a.window),
             a.duration
         ),
     );
@@ -180,23 +166,8 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
     rep.set("members", m);
     rep.set("senders_per_group", a.senders);
     rep.set("fanout", fanout_mode);
-    rep.set("window", a.window);
-    rep.num("rate", a.rate);
-    rep.num("duration_secs", Some(send_secs));
-    rep.num("elapsed_secs", Some(elapsed));
-    rep.set("sent", sent);
-    rep.set("acked", out.acked);
-    rep.set("delivered", delivered);
-    rep.num("acked_per_sec", Some(out.acked as f64 / send_secs));
-    rep.num("deliveries_per_sec", Some(delivered as f64 / elapsed));
-    rep.latency("ack_latency_ms", std::mem::take(&mut out.ack_lat[GROUP_P1]));
-    rep.latency(
-        "delivery_latency_ms",
-        std::mem::take(&mut out.delivery_lat[GROUP_P1]),
-    );
-    rep.latency("completion_ms", std::mem::take(&mut out.completion));
-    rep.num("server_cpu_percent", server_cpu);
-    rep.num("bench_cpu_percent", own_cpu);
-    rep.set("retried", k.retried.load(Relaxed));
-    Ok(rep.finish(&out.checks, a.common.json.as_deref()))
+    run.report_run(&mut rep, (a.rate, a.window), GROUP_P1, "deliveries_per_sec");
+    rep.latency("completion_ms", std::mem::take(&mut run.out.completion));
+    run.report_cost(&mut rep);
+    Ok(rep.finish(&run.out.checks, a.common.json.as_deref()))
 }

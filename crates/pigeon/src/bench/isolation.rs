@@ -70,30 +70,18 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
     let (singles, members) = ids.split_at(users);
     let (conv, mode) = create_group(&target.admin, &tokens[users], members, "bench-flood").await?;
     note(format!("flood group of {m} members ({mode} fan-out)"));
-    let interval = Duration::from_secs_f64(users as f64 / a.rate);
+    let pair = driver::PairPlan {
+        window: a.window,
+        interval: Some(Duration::from_secs_f64(users as f64 / a.rate)),
+        size: a.size,
+    };
     let specs = ids
         .iter()
         .zip(tokens)
         .enumerate()
         .map(|(i, (&id, token))| {
             if i < users {
-                let peer = singles[i ^ 1];
-                Spec {
-                    user: id,
-                    token,
-                    device: format!("bench-{i}"),
-                    send: Some(SendPlan {
-                        to: json!({"user": peer}),
-                        fanout: 2,
-                        window: a.window,
-                        interval: Some(interval),
-                        limit: None,
-                        size: a.size,
-                        class: 0,
-                    }),
-                    expect: vec![format!("{}-{}", id.min(peer), id.max(peer))],
-                    completion: false,
-                }
+                driver::pair_spec(i, id, singles[i ^ 1], token, pair)
             } else {
                 Spec {
                     user: id,
