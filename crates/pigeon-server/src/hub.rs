@@ -352,24 +352,21 @@ impl Hub {
         }
     }
 
-    /// The notifier a long poll of `user` waits on.
-    pub fn waiter(&self, user: UserId) -> Arc<Notify> {
+    /// The notifier a long poll of `user` waits on. Released when the guard drops, also
+    /// when the request is dropped mid-wait (the client went away).
+    pub fn waiter(self: &Arc<Self>, user: UserId) -> Waiter {
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        self.waiters
+        let notify = self
+            .waiters
             .lock()
             .expect("waiters lock")
             .entry(user)
             .or_default()
-            .clone()
-    }
-
-    /// Drops `user`'s notifier when no long poll holds it any more.
-    pub fn release_waiter(&self, user: UserId, n: Arc<Notify>) {
-        let mut w = self.waiters.lock().expect("waiters lock");
-        drop(n);
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        if w.get(&user).is_some_and(|n| Arc::strong_count(n) == 1) {
-            w.remove(&user);
+            .clone();
+        Waiter {
+            hub: self.clone(),
+            user,
+            notify: Some(notify),
         }
     }
 
@@ -380,5 +377,55 @@ impl Hub {
         if let Some(n) = self.waiters.lock().expect("waiters lock").get(&user) {
             n.notify_waiters();
         }
+    }
+}
+
+/// A long poll's interest in a user's inbox (see [`Hub::waiter`]).
+pub struct Waiter {
+    hub: Arc<Hub>,
+    user: UserId,
+    notify: Option<Arc<Notify>>,
+}
+
+impl Waiter {
+    pub fn notify(&self) -> &Notify {
+        self.notify.as_deref().expect("held until drop")
+    }
+}
+
+impl Drop for Waiter {
+    /// Drops the user's notifier when no long poll holds it any more.
+    fn drop(&mut self) {
+        let mut w = self.hub.waiters.lock().expect("waiters lock");
+        drop(self.notify.take());
+        self.hub.waiting.fetch_sub(1, Ordering::SeqCst);
+        if w.get(&self.user).is_some_and(|n| Arc::strong_count(n) == 1) {
+            w.remove(&self.user);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_long_poll_dropped_mid_wait_releases_its_interest() {
+        let hub = Arc::new(Hub::default());
+        let user = UserId::new(7).unwrap();
+        let first = hub.waiter(user);
+        let second = hub.waiter(user);
+        // The request is dropped while it waits (the client went away).
+        let waiting = tokio::spawn(async move {
+            second.notify().notified().await;
+        });
+        tokio::task::yield_now().await;
+        waiting.abort();
+        let _ = waiting.await;
+        assert_eq!(hub.waiting.load(Ordering::SeqCst), 1);
+        assert!(hub.waiters.lock().unwrap().contains_key(&user));
+        drop(first);
+        assert_eq!(hub.waiting.load(Ordering::SeqCst), 0);
+        assert!(hub.waiters.lock().unwrap().is_empty());
     }
 }

@@ -299,11 +299,11 @@ pub async fn sync(
     let after = q.user_seq.unwrap_or(0);
     let device = DeviceId::parse(HTTP_DEVICE).expect("a valid device id");
     // Register interest before looking, so that a message committed in between wakes us.
-    let notify = app.hub.waiter(me);
+    let waiter = app.hub.waiter(me);
     let result = async {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
         loop {
-            let notified = notify.notified();
+            let notified = waiter.notify().notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let head = app.store.inbox_head(me).await?;
@@ -316,6 +316,5 @@ pub async fn sync(
         }
     }
     .await;
-    app.hub.release_waiter(me, notify);
     result.map(Json)
 }
