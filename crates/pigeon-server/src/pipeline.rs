@@ -410,6 +410,7 @@ async fn decide(
     let mut in_flight = 0usize;
     let mut closed = false;
     let mut arrived = Vec::new();
+    let mut clock = DecisionClock::default();
     loop {
         // Caches past their bound are dropped only when nothing decided is uncommitted (the
         // cache is the only place that shows it); until then no new command is taken.
@@ -436,7 +437,7 @@ async fn decide(
         if !arrived.is_empty()
             && (store_idle_and_empty || arrived.len() >= DECIDE_CHUNK || room == 0)
         {
-            decide_into(&*store, &mut engine, &mut open, &mut arrived).await;
+            decide_into(&*store, &mut engine, &mut open, &mut arrived, &mut clock).await;
             continue;
         }
         if closed && open.is_empty() && arrived.is_empty() && in_flight == 0 {
@@ -489,6 +490,7 @@ async fn decide_into(
     engine: &mut Engine,
     open: &mut OpenBatch,
     arrived: &mut Vec<Envelope>,
+    clock: &mut DecisionClock,
 ) {
     open.started.get_or_insert_with(Instant::now);
     let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) =
@@ -506,7 +508,7 @@ async fn decide_into(
     }
     // One sample per decision step (several per batch), store read included.
     metrics::histogram!("pigeon_load_seconds").record(load_started.elapsed().as_secs_f64());
-    let now = now_ms();
+    let now = clock.next();
     for (cmd, reply) in cmds.into_iter().zip(replies) {
         let result = engine.apply(cmd, now, &mut open.changes, &mut open.events);
         open.replies.push((reply, result));
@@ -706,6 +708,22 @@ async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
     }
 }
 
+/// The time each decision step stamps on what it decides (`created_at`, a conversation's
+/// `updated_at`): the wall clock, but always later than the previous step's, so that what is
+/// decided later is never older (the conversation list orders by `updated_at`, and two
+/// sends a millisecond apart must not tie or swap). Commands decided together share it.
+#[derive(Default)]
+struct DecisionClock {
+    last: i64,
+}
+
+impl DecisionClock {
+    fn next(&mut self) -> i64 {
+        self.last = now_ms().max(self.last + 1);
+        self.last
+    }
+}
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -768,6 +786,15 @@ mod tests {
         q.take_ready(MAX_BATCH, bulk, &mut share, &mut got);
         let big = got.iter().filter(|e| q.cost(&e.cmd) > 1).count();
         (got.len() - big, big)
+    }
+
+    #[test]
+    fn each_decision_step_is_stamped_later_than_the_one_before() {
+        let mut clock = DecisionClock::default();
+        let stamps: Vec<i64> = (0..1000).map(|_| clock.next()).collect();
+        // A thousand steps take well under a millisecond each: without the clock they tie.
+        assert!(stamps.windows(2).all(|w| w[1] > w[0]));
+        assert!(stamps[0] >= now_ms() - 10_000);
     }
 
     #[test]
