@@ -39,11 +39,7 @@ async fn exchange(users: u64, per_user: usize, group_share: u8) {
         tokens.insert(*id, s.token(*id).await);
     }
     let owner = s.anon().with_bearer(tokens[&ids[0]].clone());
-    let g = owner
-        .post("/v1/groups", &json!({"name": "all", "members": ids[1..]}))
-        .await
-        .unwrap();
-    let group = g["conversation_id"].as_str().unwrap().to_owned();
+    let group = new_group_named(&owner, "all", &ids[1..]).await;
     let mut tasks = Vec::new();
     for (ui, id) in ids.iter().enumerate() {
         let mut ws = s.ws(&tokens[id], "dev").await;
@@ -199,11 +195,7 @@ async fn twenty_concurrent_duplicates_store_one_message() {
         acks.iter()
             .all(|a| a["msg_id"] == acks[0]["msg_id"] && a["seq"] == 1)
     );
-    let page = alice
-        .get("/v1/conversations/111-222/messages")
-        .await
-        .unwrap();
-    assert_eq!(page["messages"].as_array().unwrap().len(), 1);
+    assert_eq!(history_msgs(&alice, "111-222", "").await.len(), 1);
 }
 
 #[tokio::test]

@@ -50,13 +50,7 @@ async fn large_groups_use_read_fanout_followed_by_conversation_seq() {
         2,
     )
     .await;
-    let got: Vec<u64> = r["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i["seq"].as_u64().unwrap())
-        .collect();
-    assert_eq!(got.last(), Some(&2));
+    assert_eq!(item_seqs(&r).last(), Some(&2));
     ws.send(&json!({"type": "ack", "conversation_id": g, "seq": 2}))
         .await
         .unwrap();
@@ -138,13 +132,7 @@ async fn crossing_the_fanout_threshold_both_ways_loses_and_repeats_nothing() {
         .post("/v1/messages", &text_to_conv("w1", &g, "write 1"))
         .await
         .unwrap();
-    owner
-        .post(
-            &format!("/v1/groups/{g}/members"),
-            &json!({"user_ids": [4]}),
-        )
-        .await
-        .unwrap();
+    invite(&owner, &g, &[4]).await.unwrap();
     owner
         .post("/v1/messages", &text_to_conv("r1", &g, "read 1"))
         .await
@@ -277,13 +265,7 @@ async fn acks_move_the_device_cursor_forward_only_even_when_they_race() {
     assert_eq!(r["user_seq"], 10);
     // Pull without from starts after the cursor.
     let r = request(&mut ws, json!({"type": "pull", "chain": "user"}), 2).await;
-    let got: Vec<u64> = r["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i["seq"].as_u64().unwrap())
-        .collect();
-    assert_eq!(got, vec![10]);
+    assert_eq!(item_seqs(&r), vec![10]);
     // Another device has its own cursor.
     let mut other = s.ws(&tb, "tablet").await;
     let r = request(&mut other, json!({"type": "sync"}), 3).await;

@@ -50,13 +50,55 @@ async fn no_push_after(ws: &mut WsConn, conv: &str, seq: u64) {
     assert!(got.is_none(), "unexpected push after seq {seq}: {got:?}");
 }
 
-/// The messages of a history page.
+/// The messages of a history page (see [`history_msgs`]).
 async fn history(h: &Http, conv: &str, query: &str) -> Vec<Value> {
-    let page = h
-        .get(&format!("/v1/conversations/{conv}/messages{query}"))
+    history_msgs(h, conv, query).await
+}
+
+/// Asserts `h` reads nothing of `conv` after `seq`: either an empty page or `not_member`.
+async fn reads_nothing_after(h: &Http, conv: &str, seq: u64) {
+    match h
+        .get(&format!("/v1/conversations/{conv}/messages?after={seq}"))
         .await
-        .expect("history");
-    page["messages"].as_array().unwrap().clone()
+    {
+        Ok(page) => assert_eq!(page["messages"], json!([]), "nothing after seq {seq}"),
+        Err(e) => assert_eq!(e.code(), Some("not_member")),
+    }
+}
+
+/// alice (111) and the group she created with bob (222) and carol (333), its seq 1.
+struct Trio {
+    alice: Http,
+    bob: Http,
+    carol: Http,
+    /// The group's conversation id.
+    id: String,
+    /// The tokens of alice, bob and carol, in that order.
+    tokens: [String; 3],
+}
+
+/// Registers alice, bob and carol and has alice create their group; no connection yet.
+async fn trio(s: &TestServer) -> Trio {
+    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    let bob = s.anon().with_bearer(tb.clone());
+    let carol = s.anon().with_bearer(tc.clone());
+    let id = new_group(&alice, &[222, 333]).await;
+    Trio {
+        alice,
+        bob,
+        carol,
+        id,
+        tokens: [ta, tb, tc],
+    }
+}
+
+/// Connects one WebSocket per token, in order, as devices "a", "b" and "c".
+async fn connect_abc(s: &TestServer, tokens: &[String; 3]) -> (WsConn, WsConn, WsConn) {
+    let a = s.ws(&tokens[0], "a").await;
+    let b = s.ws(&tokens[1], "b").await;
+    let c = s.ws(&tokens[2], "c").await;
+    (a, b, c)
 }
 
 /// The (user_id, role) pairs of the member list.
@@ -126,13 +168,7 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     let mut c = s.ws(&tc, "c").await;
 
     // A plain member may invite.
-    let conv = bob
-        .post(
-            &format!("/v1/groups/{id}/members"),
-            &json!({"user_ids": [333]}),
-        )
-        .await
-        .unwrap();
+    let conv = invite(&bob, &id, &[333]).await.unwrap();
     assert_eq!(conv["member_count"], 3);
     let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "member_invited").await;
     assert_eq!(cmd["seq"], 5);
@@ -180,31 +216,11 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     assert_eq!(u["total"], 0);
 
     // Already a member: conflict, and nothing is appended.
-    assert_eq!(
-        code_of(
-            alice
-                .post(
-                    &format!("/v1/groups/{id}/members"),
-                    &json!({"user_ids": [333]})
-                )
-                .await
-        ),
-        "conflict"
-    );
+    assert_eq!(code_of(invite(&alice, &id, &[333]).await), "conflict");
     assert_eq!(newest_seq(&alice, &id).await, 5);
     // One already a member in the list refuses the whole invitation.
     let _erin = s.user(555).await;
-    assert_eq!(
-        code_of(
-            alice
-                .post(
-                    &format!("/v1/groups/{id}/members"),
-                    &json!({"user_ids": [555, 222]})
-                )
-                .await
-        ),
-        "conflict"
-    );
+    assert_eq!(code_of(invite(&alice, &id, &[555, 222]).await), "conflict");
     assert_eq!(newest_seq(&alice, &id).await, 5);
     assert_eq!(
         roles(&alice, &id).await,
@@ -228,13 +244,7 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     );
     // A stranger cannot invite.
     let dave = s.user(444).await;
-    let code = code_of(
-        dave.post(
-            &format!("/v1/groups/{id}/members"),
-            &json!({"user_ids": [444]}),
-        )
-        .await,
-    );
+    let code = code_of(invite(&dave, &id, &[444]).await);
     assert!(code == "not_member" || code == "not_found", "{code}");
     // Joining, carol's read mark started at the group's newest seq (her invitation, 5).
     assert_eq!(cv["last_read_seq"], cv["seq"], "{cv}");
@@ -243,18 +253,18 @@ async fn any_member_invites_and_every_member_hears_of_it() {
 #[tokio::test]
 async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
     let s = spawn_server().await;
-    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
-    let alice = s.anon().with_bearer(ta.clone());
-    let bob = s.anon().with_bearer(tb.clone());
-    let carol = s.anon().with_bearer(tc.clone());
-    let id = new_group(&alice, &[222, 333]).await;
+    let Trio {
+        alice,
+        bob,
+        carol,
+        id,
+        tokens,
+    } = trio(&s).await;
     alice
         .post("/v1/messages", &text_to_conv("a1", &id, "hello"))
         .await
         .unwrap();
-    let mut a = s.ws(&ta, "a").await;
-    let mut b = s.ws(&tb, "b").await;
-    let mut c = s.ws(&tc, "c").await;
+    let (mut a, mut b, mut c) = connect_abc(&s, &tokens).await;
 
     alice
         .delete(&format!("/v1/groups/{id}/members/333"))
@@ -300,24 +310,10 @@ async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
         .get(&format!("/v1/conversations/{id}/messages?limit=100"))
         .await
     {
-        Ok(page) => {
-            let seqs: Vec<u64> = page["messages"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| m["seq"].as_u64().unwrap())
-                .collect();
-            assert_eq!(seqs, vec![1, 2, 3], "history ends at the kick");
-        }
+        Ok(page) => assert_eq!(page_seqs(&page), vec![1, 2, 3], "history ends at the kick"),
         Err(e) => assert_eq!(e.code(), Some("not_member")),
     }
-    match carol
-        .get(&format!("/v1/conversations/{id}/messages?after={kick_seq}"))
-        .await
-    {
-        Ok(page) => assert_eq!(page["messages"], json!([]), "nothing after the kick"),
-        Err(e) => assert_eq!(e.code(), Some("not_member")),
-    }
+    reads_nothing_after(&carol, &id, kick_seq).await;
     match carol
         .get(&format!(
             "/v1/conversations/{id}/messages/range?from=1&to=10"
@@ -325,11 +321,7 @@ async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
         .await
     {
         Ok(page) => assert!(
-            page["messages"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|m| m["seq"].as_u64().unwrap() <= kick_seq),
+            page_seqs(&page).iter().all(|&seq| seq <= kick_seq),
             "{page}"
         ),
         Err(e) => assert_eq!(e.code(), Some("not_member")),
@@ -352,17 +344,7 @@ async fn a_kicked_member_gets_the_kick_last_and_nothing_after() {
         "not_member"
     );
     // The kicked member cannot act on the group any more.
-    assert_eq!(
-        code_of(
-            carol
-                .post(
-                    &format!("/v1/groups/{id}/members"),
-                    &json!({"user_ids": [333]})
-                )
-                .await
-        ),
-        "not_member"
-    );
+    assert_eq!(code_of(invite(&carol, &id, &[333]).await), "not_member");
     assert_eq!(newest_seq(&alice, &id).await, 4);
 }
 
@@ -392,13 +374,14 @@ async fn plain_members_cannot_kick() {
 #[tokio::test]
 async fn members_quit_but_the_owner_cannot() {
     let s = spawn_server().await;
-    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
-    let alice = s.anon().with_bearer(ta.clone());
-    let carol = s.anon().with_bearer(tc.clone());
-    let id = new_group(&alice, &[222, 333]).await;
-    let mut a = s.ws(&ta, "a").await;
-    let mut b = s.ws(&tb, "b").await;
-    let mut c = s.ws(&tc, "c").await;
+    let Trio {
+        alice,
+        carol,
+        id,
+        tokens,
+        ..
+    } = trio(&s).await;
+    let (mut a, mut b, mut c) = connect_abc(&s, &tokens).await;
 
     carol
         .delete(&format!("/v1/groups/{id}/members/333"))
@@ -417,13 +400,7 @@ async fn members_quit_but_the_owner_cannot() {
         .unwrap();
     assert_eq!(pushed(&mut b, &id, "text").await["seq"], 3);
     no_push_after(&mut c, &id, quit_seq).await;
-    match carol
-        .get(&format!("/v1/conversations/{id}/messages?after={quit_seq}"))
-        .await
-    {
-        Ok(page) => assert_eq!(page["messages"], json!([])),
-        Err(e) => assert_eq!(e.code(), Some("not_member")),
-    }
+    reads_nothing_after(&carol, &id, quit_seq).await;
     assert_eq!(
         code_of(
             carol
@@ -447,14 +424,14 @@ async fn members_quit_but_the_owner_cannot() {
 #[tokio::test]
 async fn a_muted_member_cannot_send_until_unmuted() {
     let s = spawn_server().await;
-    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
-    let alice = s.anon().with_bearer(ta.clone());
-    let bob = s.anon().with_bearer(tb.clone());
-    let carol = s.anon().with_bearer(tc.clone());
-    let id = new_group(&alice, &[222, 333]).await;
-    let mut a = s.ws(&ta, "a").await;
-    let mut b = s.ws(&tb, "b").await;
-    let mut c = s.ws(&tc, "c").await;
+    let Trio {
+        alice,
+        bob,
+        carol,
+        id,
+        tokens,
+    } = trio(&s).await;
+    let (mut a, mut b, mut c) = connect_abc(&s, &tokens).await;
 
     // Only the owner and admins mute.
     assert_eq!(
@@ -660,13 +637,15 @@ async fn the_owner_appoints_admins_who_kick_members_but_not_admins() {
 #[tokio::test]
 async fn group_updates_carry_only_the_changed_fields() {
     let s = spawn_server().await;
-    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
-    let alice = s.anon().with_bearer(ta.clone());
-    let bob = s.anon().with_bearer(tb.clone());
-    let carol = s.anon().with_bearer(tc.clone());
-    let id = new_group(&alice, &[222, 333]).await;
-    let mut b = s.ws(&tb, "b").await;
-    let mut c = s.ws(&tc, "c").await;
+    let Trio {
+        alice,
+        bob,
+        carol,
+        id,
+        tokens,
+    } = trio(&s).await;
+    let mut b = s.ws(&tokens[1], "b").await;
+    let mut c = s.ws(&tokens[2], "c").await;
 
     let conv = alice
         .patch(&format!("/v1/groups/{id}"), &json!({"name": "renamed"}))
@@ -731,16 +710,17 @@ async fn group_updates_carry_only_the_changed_fields() {
 #[tokio::test]
 async fn a_dismissed_group_is_read_only() {
     let s = spawn_server().await;
-    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
-    let alice = s.anon().with_bearer(ta.clone());
-    let bob = s.anon().with_bearer(tb.clone());
-    let id = new_group(&alice, &[222, 333]).await;
+    let Trio {
+        alice,
+        bob,
+        id,
+        tokens,
+        ..
+    } = trio(&s).await;
     bob.post("/v1/messages", &text_to_conv("b1", &id, "hi"))
         .await
         .unwrap();
-    let mut a = s.ws(&ta, "a").await;
-    let mut b = s.ws(&tb, "b").await;
-    let mut c = s.ws(&tc, "c").await;
+    let (mut a, mut b, mut c) = connect_abc(&s, &tokens).await;
 
     assert_eq!(
         code_of(bob.delete(&format!("/v1/groups/{id}")).await),
@@ -765,28 +745,9 @@ async fn a_dismissed_group_is_read_only() {
         (e["type"].as_str(), e["code"].as_str()),
         (Some("error"), Some("conflict"))
     );
-    assert_eq!(
-        code_of(
-            bob.post(
-                &format!("/v1/groups/{id}/members"),
-                &json!({"user_ids": [444]})
-            )
-            .await
-        ),
-        "conflict"
-    );
+    assert_eq!(code_of(invite(&bob, &id, &[444]).await), "conflict");
     let _ = s.user(444).await;
-    assert_eq!(
-        code_of(
-            alice
-                .post(
-                    &format!("/v1/groups/{id}/members"),
-                    &json!({"user_ids": [444]})
-                )
-                .await
-        ),
-        "conflict"
-    );
+    assert_eq!(code_of(invite(&alice, &id, &[444]).await), "conflict");
     // History stays readable and ends with the dismissal.
     let msgs = history(&bob, &id, "").await;
     let kinds: Vec<&str> = msgs.iter().map(|m| m["kind"].as_str().unwrap()).collect();
@@ -878,31 +839,19 @@ async fn a_member_invited_again_reads_only_from_the_new_invitation() {
         )
         .await
         .unwrap();
-    alice
-        .post(
-            &format!("/v1/groups/{id}/members"),
-            &json!({"user_ids": [222]}),
-        )
+    invite(&alice, &id, &[222])
         .await
         .expect("a former member can be invited again");
     let back = newest_seq(&alice, &id).await;
     assert_eq!(back, 4);
-    let msgs = history(&bob, &id, "?limit=100").await;
-    let seqs: Vec<u64> = msgs.iter().map(|m| m["seq"].as_u64().unwrap()).collect();
-    assert_eq!(seqs, vec![4], "only from the new invitation on");
+    assert_eq!(
+        history_seqs(&bob, &id, "?limit=100").await,
+        vec![4],
+        "only from the new invitation on"
+    );
     let cv = bob.get(&format!("/v1/conversations/{id}")).await.unwrap();
     assert_eq!(cv["unread"], 0);
-    assert_eq!(
-        code_of(
-            alice
-                .post(
-                    &format!("/v1/groups/{id}/members"),
-                    &json!({"user_ids": [222]})
-                )
-                .await
-        ),
-        "conflict"
-    );
+    assert_eq!(code_of(invite(&alice, &id, &[222]).await), "conflict");
     // The read mark starts at the group's newest seq (the new invitation).
     assert_eq!(cv["last_read_seq"], cv["seq"], "{cv}");
     bob.post("/v1/messages", &text_to_conv("b1", &id, "back"))
@@ -953,34 +902,20 @@ async fn removal_is_the_last_push_in_a_read_fanout_group_too() {
     )
     .await;
     if pulled["type"] == "pull_result" {
-        let seqs: Vec<u64> = pulled["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i["seq"].as_u64().unwrap())
-            .collect();
-        assert_eq!(seqs.last().copied(), Some(kick_seq), "{pulled}");
+        assert_eq!(
+            item_seqs(&pulled).last().copied(),
+            Some(kick_seq),
+            "{pulled}"
+        );
     } else {
         assert_eq!(pulled["code"], "not_member", "{pulled}");
     }
-    match carol
-        .get(&format!("/v1/conversations/{id}/messages?after={kick_seq}"))
-        .await
-    {
-        Ok(page) => assert_eq!(page["messages"], json!([])),
-        Err(e) => assert_eq!(e.code(), Some("not_member")),
-    }
+    reads_nothing_after(&carol, &id, kick_seq).await;
     // A newcomer to the big group gets the invitation pushed and reads from it on.
     let te = s.token(555).await;
     let erin = s.anon().with_bearer(te.clone());
     let mut e = s.ws(&te, "e").await;
-    alice
-        .post(
-            &format!("/v1/groups/{id}/members"),
-            &json!({"user_ids": [555]}),
-        )
-        .await
-        .unwrap();
+    invite(&alice, &id, &[555]).await.unwrap();
     let inv = pushed(&mut e, &id, "member_invited").await;
     assert_eq!(inv["seq"], kick_seq + 2);
     let seen = history(&erin, &id, "?limit=100").await;
@@ -998,11 +933,7 @@ async fn history_after_the_removal_answers_not_member() {
     let owner = s.user(1).await;
     let bob = s.user(2).await;
     let _ = s.user(3).await;
-    let g = owner
-        .post("/v1/groups", &json!({"name": "g", "members": [2, 3]}))
-        .await
-        .unwrap();
-    let gid = g["conversation_id"].as_str().unwrap().to_owned();
+    let gid = new_group_named(&owner, "g", &[2, 3]).await;
     owner
         .post("/v1/messages", &text_to_conv("k1", &gid, "before"))
         .await
@@ -1016,17 +947,7 @@ async fn history_after_the_removal_answers_not_member() {
         .await
         .unwrap();
     // Up to the removal (seq 3) stays readable; anything after it is not theirs.
-    let page = bob
-        .get(&format!("/v1/conversations/{gid}/messages"))
-        .await
-        .unwrap();
-    let seqs: Vec<u64> = page["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["seq"].as_u64().unwrap())
-        .collect();
-    assert_eq!(seqs, vec![1, 2, 3]);
+    assert_eq!(history_seqs(&bob, &gid, "").await, vec![1, 2, 3]);
     assert_eq!(
         code_of(
             bob.get(&format!("/v1/conversations/{gid}/messages?after=3"))

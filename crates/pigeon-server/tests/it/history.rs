@@ -3,13 +3,9 @@
 use crate::*;
 use serde_json::json;
 
+/// The seqs of a history page (see [`page_seqs`]).
 fn seqs(page: &Value) -> Vec<u64> {
-    page["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["seq"].as_u64().unwrap())
-        .collect()
+    page_seqs(page)
 }
 
 async fn conversation_with(n: u64) -> (TestServer, Http) {
@@ -214,13 +210,7 @@ async fn pull_returns_complete_ranges_with_has_more() {
     assert_eq!(r["items"].as_array().unwrap().len(), 50);
     assert_eq!(r["has_more"], false);
     let r = request(&mut ws, json!({"type": "pull", "chain": "conversation", "conversation_id": "111-222", "from": 240, "to": 245}), 3).await;
-    let got: Vec<u64> = r["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i["seq"].as_u64().unwrap())
-        .collect();
-    assert_eq!(got, vec![240, 241, 242, 243, 244, 245]);
+    assert_eq!(item_seqs(&r), vec![240, 241, 242, 243, 244, 245]);
     assert_eq!(r["items"][0]["message"]["seq"], 240);
     assert_eq!(r["has_more"], false);
     let r = request(

@@ -28,19 +28,9 @@ async fn reads_in_a_2000_member_group_cost_one_write_each() {
     register_all(&s, 1..=2000).await;
     let owner = s.user(1).await;
     let first: Vec<u64> = (2..=1000).collect();
-    let g = owner
-        .post("/v1/groups", &json!({"name": "big", "members": first}))
-        .await
-        .unwrap();
-    let gid = g["conversation_id"].as_str().unwrap().to_owned();
+    let gid = new_group_named(&owner, "big", &first).await;
     let rest: Vec<u64> = (1001..=2000).collect();
-    let g = owner
-        .post(
-            &format!("/v1/groups/{gid}/members"),
-            &json!({"user_ids": rest}),
-        )
-        .await
-        .unwrap();
+    let g = invite(&owner, &gid, &rest).await.unwrap();
     assert_eq!(g["member_count"], 2000);
     assert_eq!(g["fanout"], "read");
     let stats = s.running.as_ref().unwrap().app.pipeline.stats();

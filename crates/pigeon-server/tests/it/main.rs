@@ -182,13 +182,73 @@ pub fn send_frame(mut body: Value) -> Value {
     body
 }
 
-/// Creates a group owned by `owner`; answers its conversation id.
+/// Creates a group named "team" owned by `owner`; answers its conversation id.
 pub async fn new_group(owner: &Http, members: &[u64]) -> String {
+    new_group_named(owner, "team", members).await
+}
+
+/// Creates a group called `name` owned by `owner` with `members` (the owner not among
+/// them); answers its conversation id.
+pub async fn new_group_named(owner: &Http, name: &str, members: &[u64]) -> String {
     let g = owner
-        .post("/v1/groups", &json!({"name": "team", "members": members}))
+        .post("/v1/groups", &json!({"name": name, "members": members}))
         .await
         .expect("group created");
     g["conversation_id"].as_str().unwrap().to_owned()
+}
+
+/// `h` invites `users` into the group `conv`; answers the call's outcome (on success, the
+/// group's conversation view) so callers can assert either way.
+pub async fn invite(
+    h: &Http,
+    conv: &str,
+    users: &[u64],
+) -> Result<Value, pigeon_client::ClientError> {
+    h.post(
+        &format!("/v1/groups/{conv}/members"),
+        &json!({"user_ids": users}),
+    )
+    .await
+}
+
+/// One page of `h`'s history of `conv`, as the server answers it (`messages`, `has_more`).
+/// `query` is empty or starts with `?`, e.g. `"?limit=100"`.
+pub async fn history_page(h: &Http, conv: &str, query: &str) -> Value {
+    h.get(&format!("/v1/conversations/{conv}/messages{query}"))
+        .await
+        .expect("history")
+}
+
+/// The messages of one page of `h`'s history of `conv` (see [`history_page`]).
+pub async fn history_msgs(h: &Http, conv: &str, query: &str) -> Vec<Value> {
+    history_page(h, conv, query).await["messages"]
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+/// The seqs of one page of `h`'s history of `conv`, in page order (see [`history_page`]).
+pub async fn history_seqs(h: &Http, conv: &str, query: &str) -> Vec<u64> {
+    page_seqs(&history_page(h, conv, query).await)
+}
+
+/// The seqs of a history page's `messages`, in page order.
+pub fn page_seqs(page: &Value) -> Vec<u64> {
+    seqs_of(&page["messages"])
+}
+
+/// The seqs of a pull result's `items`, in order (the pulled chain's seqs).
+pub fn item_seqs(pulled: &Value) -> Vec<u64> {
+    seqs_of(&pulled["items"])
+}
+
+/// The `seq` of every element of a JSON array; panics if it is not an array of seq'd objects.
+fn seqs_of(list: &Value) -> Vec<u64> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["seq"].as_u64().unwrap())
+        .collect()
 }
 
 /// The conversation's newest seq as `h` sees it.

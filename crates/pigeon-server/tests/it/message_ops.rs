@@ -27,10 +27,7 @@ async fn send(h: &Http, body: Value) -> (String, u64) {
 
 /// The message `msg_id` in `h`'s newest history page (as a history read shows it).
 async fn in_history(h: &Http, conv: &str, msg_id: &str) -> Value {
-    let page = h
-        .get(&format!("/v1/conversations/{conv}/messages?limit=100"))
-        .await
-        .expect("history");
+    let page = history_page(h, conv, "?limit=100").await;
     page["messages"]
         .as_array()
         .unwrap()
@@ -53,13 +50,9 @@ async fn pushed(ws: &mut WsConn, conv: &str, kind: &str) -> Value {
         .clone()
 }
 
+/// The seqs of a history page (see [`page_seqs`]).
 fn all_seqs(page: &Value) -> Vec<u64> {
-    page["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["seq"].as_u64().unwrap())
-        .collect()
+    page_seqs(page)
 }
 
 #[tokio::test]
@@ -179,14 +172,7 @@ async fn group_owner_and_admins_recall_any_message_at_any_time() {
     let carol = s.user(333).await;
     let td = s.token(444).await;
     let dave = s.anon().with_bearer(td.clone());
-    let g = alice
-        .post(
-            "/v1/groups",
-            &json!({"name": "g", "members": [222, 333, 444]}),
-        )
-        .await
-        .unwrap();
-    let gid = g["conversation_id"].as_str().unwrap().to_owned();
+    let gid = new_group_named(&alice, "g", &[222, 333, 444]).await;
     alice
         .put(&format!("/v1/groups/{gid}/admins/222"), None)
         .await

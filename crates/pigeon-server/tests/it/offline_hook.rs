@@ -84,13 +84,9 @@ async fn offline_members_are_notified_online_and_muted_ones_are_not() {
         .post("/v1/messages", &text_to_user("o3", 2, "muted now"))
         .await
         .unwrap();
-    let g = alice
-        .post("/v1/groups", &json!({"name": "g", "members": [2]}))
-        .await
-        .unwrap();
-    let gid = g["conversation_id"].as_str().unwrap();
+    let gid = new_group_named(&alice, "g", &[2]).await;
     alice
-        .post("/v1/messages", &text_to_conv("o4", gid, "in the group"))
+        .post("/v1/messages", &text_to_conv("o4", &gid, "in the group"))
         .await
         .unwrap();
     let seen = wait_for(&got, 2).await;

@@ -217,14 +217,7 @@ async fn receipts_list_who_read_a_message() {
     let bob = s.user(222).await;
     let carol = s.user(333).await;
     let td = s.token(444).await;
-    let g = alice
-        .post(
-            "/v1/groups",
-            &json!({"name": "g", "members": [222, 333, 444]}),
-        )
-        .await
-        .unwrap();
-    let id = g["conversation_id"].as_str().unwrap().to_owned();
+    let id = new_group_named(&alice, "g", &[222, 333, 444]).await;
     let ack = alice
         .post(
             "/v1/messages",
@@ -277,11 +270,7 @@ async fn unread_counts_only_normal_user_content_from_others() {
     let alice = s.user(111).await;
     let bob = s.user(222).await;
     let carol = s.user(333).await;
-    let g = alice
-        .post("/v1/groups", &json!({"name": "g", "members": [222, 333]}))
-        .await
-        .unwrap();
-    let id = g["conversation_id"].as_str().unwrap().to_owned();
+    let id = new_group_named(&alice, "g", &[222, 333]).await;
     // The group_created command does not count.
     assert_eq!(conv(&bob, &id).await["unread"], 0);
 
@@ -486,11 +475,7 @@ async fn typing_is_relayed_to_the_other_members_only() {
     let s = spawn_server().await;
     let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
     let alice = s.anon().with_bearer(ta.clone());
-    let g = alice
-        .post("/v1/groups", &json!({"name": "g", "members": [222, 333]}))
-        .await
-        .unwrap();
-    let id = g["conversation_id"].as_str().unwrap().to_owned();
+    let id = new_group_named(&alice, "g", &[222, 333]).await;
     let mut a1 = s.ws(&ta, "a1").await;
     let mut a2 = s.ws(&ta, "a2").await;
     let mut b = s.ws(&tb, "b").await;
@@ -577,14 +562,7 @@ async fn random_traffic_leaves_the_expected_unread_counts() {
     for u in &users {
         http.insert(*u, s.user(*u).await);
     }
-    let g = http[&101]
-        .post(
-            "/v1/groups",
-            &json!({"name": "all", "members": [102, 103, 104]}),
-        )
-        .await
-        .unwrap();
-    let gid = g["conversation_id"].as_str().unwrap().to_owned();
+    let gid = new_group_named(&http[&101], "all", &[102, 103, 104]).await;
 
     // The model: per conversation, the sender of each seq (None for command messages);
     // per (user, conversation), the read mark.

@@ -6,7 +6,6 @@ use crate::*;
 use pigeon_client::{Client, ClientConfig, Event, Outgoing};
 use pigeon_proto::views::SendTarget;
 use pigeon_proto::{ConversationId, UserId};
-use serde_json::json;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -54,23 +53,8 @@ async fn every_client_sees_every_message_once_in_order_through_a_faulty_network(
         tokens.insert(*u, s.token(*u).await);
     }
     let owner = s.anon().with_bearer(tokens[&1].clone());
-    let small = owner
-        .post("/v1/groups", &json!({"name": "small", "members": [2, 3]}))
-        .await
-        .unwrap()["conversation_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let big = owner
-        .post(
-            "/v1/groups",
-            &json!({"name": "big", "members": [2, 3, 4, 5, 6]}),
-        )
-        .await
-        .unwrap()["conversation_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let small = new_group_named(&owner, "small", &[2, 3]).await;
+    let big = new_group_named(&owner, "big", &[2, 3, 4, 5, 6]).await;
     assert_eq!(
         owner
             .get(&format!("/v1/conversations/{big}"))
@@ -236,13 +220,7 @@ async fn crossing_the_fanout_threshold_with_messages_in_flight() {
         tokens.insert(u, s.token(u).await);
     }
     let owner = s.anon().with_bearer(tokens[&1].clone());
-    let g = owner
-        .post("/v1/groups", &json!({"name": "edge", "members": [2, 3]}))
-        .await
-        .unwrap()["conversation_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let g = new_group_named(&owner, "edge", &[2, 3]).await;
     // Members 1-3 stay throughout and watch through the SDK.
     let mut watchers = Vec::new();
     for u in 1..=3u64 {
@@ -268,13 +246,7 @@ async fn crossing_the_fanout_threshold_with_messages_in_flight() {
     };
     // Meanwhile the group grows past the threshold and shrinks back, again and again.
     for _ in 0..6 {
-        owner
-            .post(
-                &format!("/v1/groups/{g}/members"),
-                &json!({"user_ids": [4, 5]}),
-            )
-            .await
-            .unwrap();
+        invite(&owner, &g, &[4, 5]).await.unwrap();
         tokio::time::sleep(Duration::from_millis(30)).await;
         for u in [4, 5] {
             owner
