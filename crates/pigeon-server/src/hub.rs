@@ -226,8 +226,9 @@ impl Hub {
                 } => {
                     let json = serde_json::to_string(&*message).expect("messages serialise");
                     let conv = ConversationId::parse(&message.conversation_id).ok();
-                    // Read fan-out recipients all get the same bytes.
-                    let shared = Utf8Bytes::from(msg_frame(&json, None));
+                    // Read fan-out recipients all get the same bytes; built at the first one
+                    // online, and each frame only for a recipient with a connected device.
+                    let mut shared: Option<Utf8Bytes> = None;
                     let notify_offline = self
                         .offline
                         .as_ref()
@@ -239,13 +240,16 @@ impl Hub {
                             (None, Some(c)) => PushChain::Conversation(c.clone(), message.seq),
                             (None, None) => continue,
                         };
-                        let frame = match r.user_seq {
-                            Some(_) => Utf8Bytes::from(msg_frame(&json, r.user_seq)),
-                            None => shared.clone(),
-                        };
+                        let mut frame: Option<Utf8Bytes> = None;
                         let mut online = false;
                         self.each(r.user, |c| {
                             online = true;
+                            let frame = frame.get_or_insert_with(|| match r.user_seq {
+                                Some(_) => Utf8Bytes::from(msg_frame(&json, r.user_seq)),
+                                None => shared
+                                    .get_or_insert_with(|| Utf8Bytes::from(msg_frame(&json, None)))
+                                    .clone(),
+                            });
                             c.outbox.send(Outgoing::Push {
                                 chain: chain.clone(),
                                 frame: frame.clone(),
