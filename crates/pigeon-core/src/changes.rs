@@ -4,11 +4,12 @@
 use crate::state::{ConversationState, MemberState};
 use pigeon_proto::views::Fanout;
 use pigeon_proto::{ConversationId, DeviceId, Message, MessageStatus, MsgId, UserId};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::Arc;
 
 /// An entry of a user's inbox chain.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InboxRow {
     pub user: UserId,
     pub user_seq: u64,
@@ -18,7 +19,7 @@ pub struct InboxRow {
 }
 
 /// A conversation's own row: its state without the member list.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ConversationRow {
     pub id: ConversationId,
     pub is_group: bool,
@@ -58,7 +59,7 @@ impl ConversationRow {
 }
 
 /// A membership as written: current (`left_seq` none) or ended.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MemberRow {
     pub conversation: ConversationId,
     pub user: UserId,
@@ -67,7 +68,7 @@ pub struct MemberRow {
 }
 
 /// A change to a stored message (recall, edit, delete for everyone).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MessageUpdate {
     pub msg_id: MsgId,
     pub status: MessageStatus,
@@ -80,7 +81,7 @@ pub struct MessageUpdate {
 }
 
 /// Everything one batch writes. Committed in one transaction or not at all.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Changes {
     pub users: Vec<(UserId, String, String, i64)>,
     pub logouts: Vec<UserId>,
@@ -89,6 +90,7 @@ pub struct Changes {
     pub messages: Vec<Message>,
     pub inbox: Vec<InboxRow>,
     /// Keyed so that several changes to one membership in a batch write one row.
+    #[serde(with = "members_as_list")]
     pub members: HashMap<(ConversationId, UserId), MemberRow>,
     pub message_updates: Vec<MessageUpdate>,
     pub versions: Vec<(MsgId, u32, String, i64)>,
@@ -108,6 +110,32 @@ impl Changes {
             && self.versions.is_empty()
             && self.hidden_messages.is_empty()
             && self.cursors.is_empty()
+    }
+}
+
+/// The members map as a list of rows: its tuple keys have no JSON form, and every row
+/// carries its own key.
+mod members_as_list {
+    use super::MemberRow;
+    use pigeon_proto::{ConversationId, UserId};
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::collections::HashMap;
+
+    pub fn serialize<S: Serializer>(
+        map: &HashMap<(ConversationId, UserId), MemberRow>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(map.values())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<HashMap<(ConversationId, UserId), MemberRow>, D::Error> {
+        let rows = Vec::<MemberRow>::deserialize(d)?;
+        Ok(rows
+            .into_iter()
+            .map(|r| ((r.conversation.clone(), r.user), r))
+            .collect())
     }
 }
 

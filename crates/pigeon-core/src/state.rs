@@ -6,7 +6,7 @@ use pigeon_proto::{ConversationId, MsgId, UserId};
 use std::collections::HashMap;
 
 /// A current member of a conversation.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MemberState {
     pub role: Role,
     /// The seq of the message that made them a member (they see it and everything after).

@@ -116,6 +116,9 @@ pub trait Store: Send + Sync + 'static {
     // The write pipeline.
     async fn load(&self, needs: Needs) -> Result<Loaded, StoreError>;
     async fn commit(&self, changes: Changes) -> Result<(), StoreError>;
+    /// Finishes what was committed and releases the store's files; later commits fail.
+    /// Called once the pipeline has flushed, at shutdown.
+    async fn close(&self) {}
     /// The largest msg_id ever stored (floor for the id generator).
     async fn max_msg_id(&self) -> Result<u64, StoreError>;
     /// How many idempotency keys `(sender, client_msg_id)` are stored.

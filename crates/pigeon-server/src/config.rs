@@ -53,6 +53,10 @@ pub struct ServeArgs {
     /// fsync (default) or os
     #[arg(long, env = "PIGEON_DURABILITY", value_enum)]
     pub durability: Option<DurabilityMode>,
+    /// Journaled batches not yet in the tables, in KiB, past which sends wait (then fail
+    /// `unavailable`) until the tables catch up [default: 65536]
+    #[arg(long, env = "PIGEON_JOURNAL_BACKLOG_KIB")]
+    pub journal_backlog_kib: Option<usize>,
     /// Most WebSocket connections held at once [default: 100000]
     #[arg(long, env = "PIGEON_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
@@ -93,6 +97,8 @@ struct FileConfig {
     #[serde(alias = "heartbeat-ms")]
     heartbeat_ms: Option<u64>,
     durability: Option<DurabilityMode>,
+    #[serde(alias = "journal-backlog-kib")]
+    journal_backlog_kib: Option<usize>,
     #[serde(alias = "max-connections")]
     max_connections: Option<usize>,
     #[serde(alias = "max-token-ttl-secs")]
@@ -118,6 +124,7 @@ pub struct Config {
     pub max_content_bytes: usize,
     pub heartbeat_ms: u64,
     pub durability: DurabilityMode,
+    pub journal_backlog_kib: usize,
     pub max_connections: usize,
     pub max_token_ttl_secs: u64,
     pub offline_webhook_url: Option<String>,
@@ -138,6 +145,7 @@ impl Default for Config {
             max_content_bytes: 65_536,
             heartbeat_ms: 30_000,
             durability: DurabilityMode::Fsync,
+            journal_backlog_kib: 65_536,
             max_connections: 100_000,
             max_token_ttl_secs: 30 * 86_400,
             offline_webhook_url: None,
@@ -214,6 +222,10 @@ impl Config {
                 .or(file.heartbeat_ms)
                 .unwrap_or(d.heartbeat_ms),
             durability: args.durability.or(file.durability).unwrap_or(d.durability),
+            journal_backlog_kib: args
+                .journal_backlog_kib
+                .or(file.journal_backlog_kib)
+                .unwrap_or(d.journal_backlog_kib),
             max_connections: args
                 .max_connections
                 .or(file.max_connections)

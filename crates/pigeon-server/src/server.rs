@@ -76,10 +76,13 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         DurabilityMode::Os => Durability::Os,
     };
     let dir = cfg.data_dir.clone();
+    let backlog_bytes = cfg.journal_backlog_kib.saturating_mul(1024);
     let store: Arc<dyn Store> = Arc::new(
-        tokio::task::spawn_blocking(move || SqliteStore::open(&dir, durability))
-            .await
-            .map_err(|e| pigeon_core::StoreError(e.to_string()))??,
+        tokio::task::spawn_blocking(move || {
+            SqliteStore::open_with(&dir, durability, backlog_bytes)
+        })
+        .await
+        .map_err(|e| pigeon_core::StoreError(e.to_string()))??,
     );
     let (admin_key, admin_key_generated) =
         secret(&*store, "admin_key", cfg.admin_key.as_deref()).await?;
@@ -186,6 +189,7 @@ impl Running {
         if let Err(e) = self.app.pipeline.flush().await {
             tracing::warn!(error = %e, "final flush failed");
         }
+        self.app.store.close().await;
         tracing::info!("pigeon stopped");
     }
 }

@@ -1,14 +1,19 @@
-//! Pigeon's embedded store: one SQLite database file in WAL mode. Writes go through one
-//! connection (the pipeline commits a whole batch in one transaction, so one fsync covers
-//! many messages); reads use a small pool of read-only connections that WAL lets run beside
-//! the writer.
+//! Pigeon's embedded store: a journal and one SQLite database file in WAL mode. A batch is
+//! durable once its journal record is fsynced (`journal.rs`); one thread then applies the
+//! journaled batches to the tables, many per transaction (`applier.rs`). Reads use a small
+//! pool of read-only connections that WAL lets run beside that writer, each after the
+//! tables hold every batch acknowledged before it began.
 
+mod applier;
+mod journal;
 mod read;
 mod rows;
 mod schema;
 mod write;
 
+use applier::StoreWrites;
 use async_trait::async_trait;
+use journal::Journal;
 use pigeon_core::changes::Changes;
 use pigeon_core::store::{
     AuditedMessage, HistoryQuery, KeyCursor, KeyPage, ListCursor, Loaded, Membership, Needs, Store,
@@ -41,11 +46,39 @@ pub struct SqliteStore {
 
 struct Inner {
     path: PathBuf,
-    writer: Mutex<Connection>,
+    writes: Arc<StoreWrites>,
+    applier: Mutex<Option<std::thread::JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
 }
 
+impl Inner {
+    /// Lets the applier finish what is queued, then closes the journal, so that a store
+    /// opened next on the same directory does not replay batches this one is still applying.
+    fn close(&self) {
+        self.writes.close();
+        let handle = match self.applier.lock() {
+            Ok(mut guard) => guard.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        if let Some(handle) = handle
+            && handle.join().is_err()
+        {
+            tracing::error!("the journal applier panicked");
+        }
+        self.writes.close_journal();
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
 const MAX_IDLE_READERS: usize = 8;
+/// Journaled bytes the tables may lag behind before sends wait: what bounds the memory the
+/// unapplied batches hold.
+pub const DEFAULT_BACKLOG_BYTES: usize = 64 << 20;
 /// WAL pages after which a commit checkpoints by itself (~160 MB at 4 KiB): a backstop for
 /// when the background checkpointer falls behind. Under a steady load the WAL file grows to
 /// about this size and is then reused.
@@ -56,8 +89,20 @@ fn err(e: impl std::fmt::Display) -> StoreError {
 }
 
 impl SqliteStore {
-    /// Opens (creating if needed) `dir/pigeon.db` and applies pending migrations.
+    /// Opens (creating if needed) `dir/pigeon.db` and `dir/journal/`, applies pending
+    /// migrations, then applies whatever the journal holds beyond the tables (a crash left it
+    /// there).
     pub fn open(dir: &Path, durability: Durability) -> Result<Self, StoreError> {
+        Self::open_with(dir, durability, DEFAULT_BACKLOG_BYTES)
+    }
+
+    /// [`SqliteStore::open`], with sends waiting once the tables are `backlog_bytes` of
+    /// journal behind.
+    pub fn open_with(
+        dir: &Path,
+        durability: Durability,
+        backlog_bytes: usize,
+    ) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError(format!("create {}: {e}", dir.display())))?;
         let path = dir.join("pigeon.db");
@@ -85,10 +130,32 @@ impl SqliteStore {
             .pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES)
             .map_err(err)?;
         schema::migrate(&mut writer).map_err(err)?;
+        let applied = applier::applied_lsn(&writer)?;
+        let journal_dir = dir.join("journal");
+        let (journal, pending) =
+            Journal::open(&journal_dir, durability == Durability::Fsync, applied)
+                .map_err(|e| StoreError(format!("journal: {e}")))?;
+        let replayed = applier::replay(&mut writer, pending, &journal_dir)?;
+        if replayed > 0 {
+            tracing::info!(
+                batches = replayed,
+                "applied journaled batches the tables lacked"
+            );
+        }
+        let applied = journal.next_lsn() - 1;
+        let writes = StoreWrites::new(writer, journal, applied, backlog_bytes);
+        let handle = {
+            let writes = writes.clone();
+            std::thread::Builder::new()
+                .name("pigeon-apply".into())
+                .spawn(move || writes.run_applier())
+                .map_err(err)?
+        };
         let store = SqliteStore {
             inner: Arc::new(Inner {
                 path,
-                writer: Mutex::new(writer),
+                writes,
+                applier: Mutex::new(Some(handle)),
                 readers: Mutex::new(Vec::new()),
             }),
         };
@@ -112,7 +179,9 @@ impl SqliteStore {
         std::thread::Builder::new()
             .name("pigeon-checkpoint".into())
             .spawn(move || {
-                while store.upgrade().is_some() {
+                // Not `upgrade`: holding the last reference here would close the store on
+                // this thread, after its owner believed it closed.
+                while store.strong_count() > 0 {
                     std::thread::sleep(std::time::Duration::from_millis(100));
                     if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
                     {
@@ -138,12 +207,14 @@ impl SqliteStore {
         Ok(conn)
     }
 
-    /// Runs `f` on a pooled read connection on the blocking pool.
+    /// Runs `f` on a pooled read connection on the blocking pool, once the tables hold
+    /// every batch acknowledged before the call.
     async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     {
+        self.inner.writes.caught_up().await?;
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
             let pooled = this.inner.readers.lock().expect("reader pool lock").pop();
@@ -170,7 +241,7 @@ impl SqliteStore {
     {
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
-            let mut conn = this.inner.writer.lock().expect("writer lock");
+            let mut conn = this.inner.writes.writer.lock().expect("writer lock");
             f(&mut conn).map_err(err)
         })
         .await
@@ -182,12 +253,26 @@ impl SqliteStore {
 impl Store for SqliteStore {
     async fn load(&self, needs: Needs) -> Result<Loaded, StoreError> {
         // From a read connection, so the next batch loads while the previous one commits; the
-        // engine holds in memory whatever an uncommitted batch changed.
+        // engine holds in memory whatever an uncommitted batch changed, and `read` waits for
+        // the tables to hold every committed one.
         self.read(move |c| write::load(c, &needs)).await
     }
 
     async fn commit(&self, changes: Changes) -> Result<(), StoreError> {
-        self.write(move |c| write::commit(c, &changes)).await
+        let writes = self.inner.writes.clone();
+        tokio::task::spawn_blocking(move || writes.commit(changes))
+            .await
+            .map_err(err)?
+    }
+
+    async fn close(&self) {
+        let inner = self.inner.clone();
+        if tokio::task::spawn_blocking(move || inner.close())
+            .await
+            .is_err()
+        {
+            tracing::error!("closing the store failed");
+        }
     }
 
     async fn max_msg_id(&self) -> Result<u64, StoreError> {
@@ -223,7 +308,7 @@ impl Store for SqliteStore {
 
     async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError> {
         let key = key.to_owned();
-        self.write(move |c| read::meta_get(c, &key)).await
+        self.read(move |c| read::meta_get(c, &key)).await
     }
 
     async fn meta_set(&self, key: &str, value: &str) -> Result<(), StoreError> {
@@ -349,5 +434,228 @@ impl Store for SqliteStore {
     ) -> Result<(Vec<UserId>, Vec<UserId>), StoreError> {
         let conv = conv.clone();
         self.read(move |c| read::receipts(c, &conv, seq)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "pigeon-store-{name}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn user_named(id: u64, name: &str) -> Changes {
+        Changes {
+            users: vec![(UserId::new(id).unwrap(), name.into(), String::new(), 1)],
+            ..Changes::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_read_right_after_a_commit_sees_it_though_the_tables_apply_later() {
+        let dir = temp_dir("barrier");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        for i in 1..=20u64 {
+            store.commit(user_named(i, &format!("u{i}"))).await.unwrap();
+            // The applier waits up to a quarter second for more batches; the read must not
+            // see the tables before it has applied this one.
+            let got = store.user(UserId::new(i).unwrap()).await.unwrap();
+            assert_eq!(got.map(|u| u.name), Some(format!("u{i}")));
+        }
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn batches_in_the_journal_but_not_in_the_tables_are_applied_at_open() {
+        let dir = temp_dir("replay");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        store.commit(user_named(1, "applied")).await.unwrap();
+        drop(store);
+        // A crash between the journal and the tables: records the tables never got.
+        let applied = {
+            let c = Connection::open(dir.join("pigeon.db")).unwrap();
+            applier::applied_lsn(&c).unwrap()
+        };
+        assert_eq!(applied, 1, "closing applied what was queued");
+        {
+            let (mut journal, pending) =
+                Journal::open(&dir.join("journal"), true, applied).unwrap();
+            assert!(pending.is_empty());
+            for (id, name) in [(2, "journaled"), (1, "renamed")] {
+                let payload = serde_json::to_vec(&user_named(id, name)).unwrap();
+                journal.append(&payload).unwrap();
+            }
+        }
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        let name = |id| {
+            let store = store.clone();
+            async move {
+                store
+                    .user(UserId::new(id).unwrap())
+                    .await
+                    .unwrap()
+                    .map(|u| u.name)
+            }
+        };
+        assert_eq!(name(2).await.as_deref(), Some("journaled"));
+        assert_eq!(
+            name(1).await.as_deref(),
+            Some("renamed"),
+            "applied in order"
+        );
+        // New batches follow the replayed ones, and a second open replays nothing twice.
+        store.commit(user_named(3, "after")).await.unwrap();
+        drop(store);
+        let c = Connection::open(dir.join("pigeon.db")).unwrap();
+        assert_eq!(applier::applied_lsn(&c).unwrap(), 4);
+        drop(c);
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        assert_eq!(
+            store
+                .user(UserId::new(3).unwrap())
+                .await
+                .unwrap()
+                .map(|u| u.name)
+                .as_deref(),
+            Some("after")
+        );
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_batch_the_tables_refuse_is_set_aside_and_later_ones_still_apply() {
+        let dir = temp_dir("refused");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        let message = |seq| Message {
+            msg_id: MsgId::new(5).unwrap(),
+            conversation_id: "1-2".into(),
+            seq,
+            sender: UserId::new(1).unwrap(),
+            client_msg_id: None,
+            kind: pigeon_proto::MessageKind::Text,
+            content: "x".into(),
+            extra: serde_json::Value::Null,
+            reply_to: None,
+            mentions: Vec::new(),
+            status: pigeon_proto::MessageStatus::Normal,
+            version: 1,
+            created_at: 1,
+            edited_at: None,
+        };
+        let mut first = user_named(1, "one");
+        first.messages.push(message(1));
+        // The same msg_id again: the tables refuse this batch whatever is tried.
+        let mut second = user_named(2, "two");
+        second.messages.push(message(2));
+        store.commit(first).await.unwrap();
+        store.commit(second).await.unwrap();
+        store.commit(user_named(3, "three")).await.unwrap();
+        let name = |id| {
+            let store = store.clone();
+            async move {
+                store
+                    .user(UserId::new(id).unwrap())
+                    .await
+                    .unwrap()
+                    .map(|u| u.name)
+            }
+        };
+        assert_eq!(name(1).await.as_deref(), Some("one"));
+        assert_eq!(name(2).await, None, "the refused batch is not half applied");
+        assert_eq!(name(3).await.as_deref(), Some("three"));
+        let kept = dir.join("journal").join(format!("rejected-{:020}.json", 2));
+        let back: Changes = serde_json::from_slice(&std::fs::read(kept).unwrap()).unwrap();
+        assert_eq!(back.users[0].1, "two");
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_batch_survives_the_journal_encoding_whole() {
+        use pigeon_core::changes::{ConversationRow, InboxRow, MemberRow, MessageUpdate};
+        use pigeon_core::state::MemberState;
+        use pigeon_proto::views::{Fanout, Role};
+        use pigeon_proto::{DeviceId, MessageKind, MessageStatus};
+        let u = UserId::new(7).unwrap();
+        let conv = ConversationId::parse("g42").unwrap();
+        let msg = MsgId::new(99).unwrap();
+        let mut changes = Changes {
+            users: vec![(u, "n".into(), "a".into(), 5)],
+            logouts: vec![u],
+            conversations: vec![ConversationRow {
+                id: conv.clone(),
+                is_group: true,
+                seq: 3,
+                member_count: 2,
+                fanout: Fanout::Read,
+                name: Some("g".into()),
+                notice: None,
+                avatar: Some("x".into()),
+                owner: Some(u),
+                dismissed: false,
+                last_msg_id: Some(msg),
+                read_fanout_since: Some(2),
+                created_at: 1,
+                updated_at: 2,
+            }],
+            messages: vec![Message {
+                msg_id: msg,
+                conversation_id: conv.as_str().into(),
+                seq: 3,
+                sender: u,
+                client_msg_id: Some("k\u{e9}\"y".into()),
+                kind: MessageKind::Text,
+                content: "hi\n\u{1f426}".into(),
+                extra: serde_json::json!({"a": [1, 2]}),
+                reply_to: Some(msg),
+                mentions: vec![7],
+                status: MessageStatus::Normal,
+                version: 2,
+                created_at: 10,
+                edited_at: Some(11),
+            }],
+            inbox: vec![InboxRow {
+                user: u,
+                user_seq: 4,
+                msg_id: msg,
+                conversation: conv.clone(),
+                seq: 3,
+            }],
+            members: HashMap::new(),
+            message_updates: vec![MessageUpdate {
+                msg_id: msg,
+                status: MessageStatus::Recalled,
+                version: 3,
+                content: None,
+                edited_at: None,
+                recalled: Some((12, u)),
+            }],
+            versions: vec![(msg, 1, "old".into(), 9)],
+            hidden_messages: vec![(u, msg)],
+            cursors: vec![(u, DeviceId::parse("d1").unwrap(), "inbox".into(), 4)],
+        };
+        changes.members.insert(
+            (conv.clone(), u),
+            MemberRow {
+                conversation: conv.clone(),
+                user: u,
+                state: MemberState::joined(Role::Owner, 1, 3, 5),
+                left_seq: Some(3),
+            },
+        );
+        let back: Changes = serde_json::from_slice(&serde_json::to_vec(&changes).unwrap()).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{changes:?}"));
     }
 }

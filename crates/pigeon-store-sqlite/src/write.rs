@@ -1,12 +1,12 @@
-//! The write side: loading what the engine needs, and committing a batch in one transaction.
+//! The write side: loading what the engine needs, and writing a batch's changes to the tables.
 
 use crate::rows;
-use pigeon_core::changes::Changes;
+use pigeon_core::changes::{Changes, ConversationRow, MemberRow};
 use pigeon_core::state::{ConversationState, MemberState};
 use pigeon_core::store::{Loaded, Needs};
 use pigeon_proto::views::{Fanout, SendAck};
 use pigeon_proto::{ConversationId, UserId};
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, OptionalExtension, Transaction, params};
 use std::collections::HashMap;
 
 pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
@@ -134,26 +134,44 @@ pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
     Ok(out)
 }
 
-pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
-    let tx = c.transaction()?;
+/// Writes several batches' changes, in order, inside `tx` (the applier puts many batches in
+/// one transaction). A conversation's row, a membership and a user's profile are written as
+/// whole rows, so only the last of each across the batches is written; everything else is
+/// written as it comes (inserts of distinct rows, and updates that depend on order, in order).
+pub fn apply(tx: &Transaction, batches: &[&Changes]) -> rusqlite::Result<()> {
+    let mut users: HashMap<UserId, &(UserId, String, String, i64)> = HashMap::new();
+    let mut conversations: HashMap<&ConversationId, &ConversationRow> = HashMap::new();
+    let mut members: HashMap<&(ConversationId, UserId), &MemberRow> = HashMap::new();
+    for ch in batches {
+        for u in &ch.users {
+            users.insert(u.0, u);
+        }
+        for s in &ch.conversations {
+            conversations.insert(&s.id, s);
+        }
+        for (key, m) in &ch.members {
+            members.insert(key, m);
+        }
+    }
+    let every = || batches.iter().copied();
     {
         let mut st = tx.prepare_cached(
             "INSERT INTO users (user_id, name, avatar, token_gen, created_at, updated_at) VALUES (?1, ?2, ?3, 0, ?4, ?4) \
              ON CONFLICT (user_id) DO UPDATE SET name = excluded.name, avatar = excluded.avatar, updated_at = excluded.updated_at",
         )?;
-        for (u, name, avatar, now) in &ch.users {
+        for (u, name, avatar, now) in users.into_values() {
             st.execute(params![u.get() as i64, name, avatar, now])?;
         }
         let mut st =
             tx.prepare_cached("UPDATE users SET token_gen = token_gen + 1 WHERE user_id = ?1")?;
-        for u in &ch.logouts {
+        for u in every().flat_map(|ch| &ch.logouts) {
             st.execute([u.get() as i64])?;
         }
         let mut st = tx.prepare_cached(
             "INSERT INTO messages (msg_id, conversation_id, seq, sender, client_msg_id, kind, content, extra, reply_to, \
              mentions, status, version, created_at, edited_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
         )?;
-        for m in &ch.messages {
+        for m in every().flat_map(|ch| &ch.messages) {
             let extra = (!m.extra.is_null()).then(|| m.extra.to_string());
             let mentions = (!m.mentions.is_empty())
                 .then(|| serde_json::to_string(&m.mentions).unwrap_or_default());
@@ -177,7 +195,7 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
         let mut st = tx.prepare_cached(
             "INSERT INTO inbox (user_id, user_seq, msg_id, conversation_id, seq) VALUES (?1, ?2, ?3, ?4, ?5)",
         )?;
-        for i in &ch.inbox {
+        for i in every().flat_map(|ch| &ch.inbox) {
             st.execute(params![
                 i.user.get() as i64,
                 i.user_seq as i64,
@@ -194,7 +212,7 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
              owner = excluded.owner, dismissed = excluded.dismissed, last_msg_id = excluded.last_msg_id, read_fanout_since = excluded.read_fanout_since, \
              updated_at = excluded.updated_at",
         )?;
-        for s in &ch.conversations {
+        for s in conversations.into_values() {
             let fanout = match s.fanout {
                 Fanout::Write => "write",
                 Fanout::Read => "read",
@@ -223,7 +241,7 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
              joined_at = excluded.joined_at, left_seq = excluded.left_seq, last_read_seq = excluded.last_read_seq, \
              mute_until = excluded.mute_until, pinned = excluded.pinned, muted = excluded.muted, hidden_seq = excluded.hidden_seq",
         )?;
-        for m in ch.members.values() {
+        for m in members.into_values() {
             let s = &m.state;
             st.execute(params![
                 m.conversation.as_str(),
@@ -243,7 +261,7 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
             "UPDATE messages SET status = ?2, version = ?3, content = coalesce(?4, content), edited_at = ?5, \
              recalled_at = coalesce(?6, recalled_at), recalled_by = coalesce(?7, recalled_by) WHERE msg_id = ?1",
         )?;
-        for u in &ch.message_updates {
+        for u in every().flat_map(|ch| &ch.message_updates) {
             st.execute(params![
                 u.msg_id.get() as i64,
                 u.status.as_str(),
@@ -257,22 +275,22 @@ pub fn commit(c: &mut Connection, ch: &Changes) -> rusqlite::Result<()> {
         let mut st = tx.prepare_cached(
             "INSERT OR IGNORE INTO message_versions (msg_id, version, content, at) VALUES (?1, ?2, ?3, ?4)",
         )?;
-        for (id, v, content, at) in &ch.versions {
+        for (id, v, content, at) in every().flat_map(|ch| &ch.versions) {
             st.execute(params![id.get() as i64, v, content, at])?;
         }
         let mut st = tx.prepare_cached(
             "INSERT OR IGNORE INTO hidden_messages (user_id, msg_id) VALUES (?1, ?2)",
         )?;
-        for (u, m) in &ch.hidden_messages {
+        for (u, m) in every().flat_map(|ch| &ch.hidden_messages) {
             st.execute(params![u.get() as i64, m.get() as i64])?;
         }
         let mut st = tx.prepare_cached(
             "INSERT INTO cursors (user_id, device_id, chain, seq) VALUES (?1, ?2, ?3, ?4) \
              ON CONFLICT (user_id, device_id, chain) DO UPDATE SET seq = max(seq, excluded.seq)",
         )?;
-        for (u, d, chain, seq) in &ch.cursors {
+        for (u, d, chain, seq) in every().flat_map(|ch| &ch.cursors) {
             st.execute(params![u.get() as i64, d.as_str(), chain, *seq as i64])?;
         }
     }
-    tx.commit()
+    Ok(())
 }

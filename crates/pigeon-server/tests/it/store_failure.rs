@@ -1,38 +1,54 @@
-//! A commit that fails while the next batch has already been decided on top of it (the
-//! pipeline decides batch N+1 while batch N commits): both batches are refused with
-//! `unavailable`, nothing of either is stored, and seqs go on from what the store holds: no
-//! gap and no seq given twice. The failure is real: another process-level writer holds the
-//! database's write lock for longer than the server's busy timeout.
+//! The store failing under the pipeline, for real: another connection holds the SQLite
+//! database's write lock for longer than the server's busy timeout, so the journal's batches
+//! cannot reach the tables.
+//!
+//! - A batch already journaled is acknowledged and lost by nothing: it reaches the tables once
+//!   the lock is gone, at the seq its ack gave.
+//! - With the journal's backlog full (a 1 KiB limit here), the next commit fails after its
+//!   wait, and the batch decided on top of it (the pipeline decides batch N+1 while batch N
+//!   commits) is refused with it: all `unavailable`, nothing of either stored, and seqs go on
+//!   from what the store holds, with no gap and no seq given twice.
 
 use crate::*;
 
 #[tokio::test]
-async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it() {
-    let s = spawn_server().await;
+async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_one_survives() {
+    let s = spawn_with(|c| c.journal_backlog_kib = 1).await;
     let alice = s.user(1).await;
     s.user(2).await;
     let mut ws = s.ws(&s.token(1).await, "d1").await;
     let zero = request(&mut ws, send_frame(text_to_user("c0", 2, "zero")), 1).await;
     assert_eq!(zero["type"], "send_ack", "{zero}");
     let conv = zero["conversation_id"].as_str().unwrap().to_owned();
+    // A read waits until the tables hold "zero", so the lock below is not taken mid-apply.
+    assert_eq!(alice.whole_history(&conv).await.unwrap().len(), 1);
 
     let db = s.dir.0.join("pigeon.db");
     let (locked_tx, locked_rx) = std::sync::mpsc::channel();
     let holder = std::thread::spawn(move || {
         let c = rusqlite::Connection::open(db).unwrap();
+        c.busy_timeout(Duration::from_secs(5)).unwrap();
         c.execute_batch("BEGIN IMMEDIATE").unwrap();
         locked_tx.send(()).unwrap();
-        // Longer than the server's busy timeout (5 s): its commit gives up.
+        // Longer than the server's busy timeout and its wait for room in the journal's
+        // backlog (5 s each): the apply fails (and is retried), the next commit gives up.
         std::thread::sleep(Duration::from_millis(6_500));
         c.execute_batch("ROLLBACK").unwrap();
     });
     locked_rx.recv().unwrap();
 
-    let mut a = send_frame(text_to_user("c1", 2, "one"));
-    a["req"] = json!(1000);
-    ws.send(&a).await.unwrap();
-    // A is decided and waits on the lock in its commit; then a chunk of sends arrives, which
-    // the pipeline decides on top of A while A's commit waits.
+    // A is journaled (the backlog was empty) and acknowledged; the tables cannot take it.
+    let a = request(&mut ws, send_frame(text_to_user("c1", 2, "one")), 1000).await;
+    assert_eq!(
+        (a["type"].as_str(), a["seq"].as_u64()),
+        (Some("send_ack"), Some(2)),
+        "{a}"
+    );
+    // B finds the backlog full and waits in its commit; then a chunk of sends arrives, which
+    // the pipeline decides on top of B while B's commit waits.
+    let mut b = send_frame(text_to_user("c2", 2, "two"));
+    b["req"] = json!(1001);
+    ws.send(&b).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let chunk = pigeon_server::pipeline::DECIDE_CHUNK as i64;
     for k in 0..chunk {
@@ -40,7 +56,7 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it() {
         b["req"] = json!(2000 + k);
         ws.send(&b).await.unwrap();
     }
-    for req in std::iter::once(1000).chain((0..chunk).map(|k| 2000 + k)) {
+    for req in std::iter::once(1001).chain((0..chunk).map(|k| 2000 + k)) {
         let reply = ws
             .recv_until(Duration::from_secs(20), |v| v["req"] == json!(req))
             .await
@@ -51,19 +67,26 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it() {
     }
     holder.join().unwrap();
 
-    // The store is the truth again: the next message takes seq 2, and the retried sends are
-    // new messages (they were never stored), not duplicates, at the seqs that follow.
+    // The store is the truth again: A reached the tables, the next message takes seq 3, and
+    // the refused sends are new messages when retried (they were never stored), not
+    // duplicates, at the seqs that follow.
     let c = request(&mut ws, send_frame(text_to_user("c3", 2, "three")), 4).await;
     assert_eq!(
         (c["type"].as_str(), c["seq"].as_u64()),
-        (Some("send_ack"), Some(2)),
+        (Some("send_ack"), Some(3)),
         "{c}"
     );
-    let retry = request(&mut ws, send_frame(text_to_user("c1", 2, "one")), 5).await;
+    let retry = request(&mut ws, send_frame(text_to_user("c2", 2, "two")), 5).await;
     assert_eq!(
         (retry["seq"].as_u64(), retry["duplicate"].as_bool()),
-        (Some(3), Some(false)),
+        (Some(4), Some(false)),
         "{retry}"
+    );
+    let again = request(&mut ws, send_frame(text_to_user("c1", 2, "one")), 6).await;
+    assert_eq!(
+        (again["seq"].as_u64(), again["duplicate"].as_bool()),
+        (Some(2), Some(true)),
+        "A was stored once: {again}"
     );
     for k in 0..chunk {
         let r = request(
@@ -74,7 +97,7 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it() {
         .await;
         assert_eq!(
             (r["seq"].as_i64(), r["duplicate"].as_bool()),
-            (Some(4 + k), Some(false)),
+            (Some(5 + k), Some(false)),
             "{r}"
         );
     }
@@ -88,8 +111,12 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it() {
             )
         })
         .collect();
-    let mut want: Vec<(u64, String)> =
-        vec![(1, "zero".into()), (2, "three".into()), (3, "one".into())];
-    want.extend((0..chunk as u64).map(|k| (4 + k, format!("b{k}"))));
+    let mut want: Vec<(u64, String)> = vec![
+        (1, "zero".into()),
+        (2, "one".into()),
+        (3, "three".into()),
+        (4, "two".into()),
+    ];
+    want.extend((0..chunk as u64).map(|k| (5 + k, format!("b{k}"))));
     assert_eq!(seen, want);
 }

@@ -1,0 +1,343 @@
+//! The write side after the journal: batches that are durable in the journal wait here until
+//! one thread applies them to the SQLite tables, many in one transaction, so that a page
+//! touched by many batches is written once. Readers wait until the tables hold every batch
+//! acknowledged before they started (`StoreWrites::caught_up`), so nobody reads around the
+//! journal.
+
+use crate::journal::Journal;
+use crate::write;
+use pigeon_core::changes::Changes;
+use pigeon_core::store::StoreError;
+use rusqlite::Connection;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// Most batches applied in one transaction (a longer one holds up nothing but the next).
+const MAX_APPLY_BATCHES: usize = 512;
+/// How long a journaled batch may wait for the tables while nobody reads. Waiting is the
+/// point: a transaction writes each B-tree page it touched once, so a page shared by the
+/// batches of a quarter second (a conversation's index leaf, a user's inbox leaf) is written
+/// once instead of once per batch. A reader that finds the tables behind has them applied
+/// at once.
+const APPLY_DELAY: Duration = Duration::from_millis(250);
+/// Unapplied bytes that start an apply without waiting for [`APPLY_DELAY`].
+const APPLY_BYTES: usize = 8 << 20;
+/// How long a commit waits for room in the backlog, and a reader for the tables to catch
+/// up, before it answers that the store is unavailable.
+pub const WAIT_LIMIT: Duration = Duration::from_secs(5);
+/// The pause before an apply that failed is tried again.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+/// The meta key holding the last lsn the tables hold (written in the same transaction).
+pub const APPLIED_KEY: &str = "journal_applied_lsn";
+
+#[derive(Default)]
+struct Backlog {
+    queue: VecDeque<(u64, Changes, usize)>,
+    /// Bytes of every batch not yet applied, including the ones being applied now.
+    bytes: usize,
+    /// When the oldest queued batch was queued.
+    oldest: Option<Instant>,
+    closed: bool,
+}
+
+/// Everything the committer, the applier thread and the readers share.
+pub struct StoreWrites {
+    pub writer: Mutex<Connection>,
+    /// `None` once closed: the journal's directory lock is released with it.
+    journal: Mutex<Option<Journal>>,
+    backlog: Mutex<Backlog>,
+    /// Signalled when the backlog grows or closes (the applier waits on it).
+    more: Condvar,
+    /// Signalled when the backlog shrinks (a commit waiting for room waits on it).
+    room: Condvar,
+    logged: AtomicU64,
+    applied_now: AtomicU64,
+    /// Readers waiting in [`StoreWrites::caught_up`]: while there are any, the applier does
+    /// not wait for more batches.
+    readers_waiting: AtomicUsize,
+    applied: watch::Sender<u64>,
+    /// Journaled but unapplied payload bytes past which a commit waits for the applier.
+    max_backlog_bytes: usize,
+}
+
+fn err(e: impl std::fmt::Display) -> StoreError {
+    StoreError(e.to_string())
+}
+
+impl StoreWrites {
+    pub fn new(
+        writer: Connection,
+        journal: Journal,
+        applied: u64,
+        max_backlog_bytes: usize,
+    ) -> Arc<Self> {
+        Arc::new(StoreWrites {
+            writer: Mutex::new(writer),
+            journal: Mutex::new(Some(journal)),
+            backlog: Mutex::new(Backlog::default()),
+            more: Condvar::new(),
+            room: Condvar::new(),
+            logged: AtomicU64::new(applied),
+            applied_now: AtomicU64::new(applied),
+            readers_waiting: AtomicUsize::new(0),
+            applied: watch::channel(applied).0,
+            max_backlog_bytes,
+        })
+    }
+
+    /// Makes `changes` durable in the journal and queues it for the tables. Blocking.
+    pub fn commit(&self, changes: Changes) -> Result<(), StoreError> {
+        let payload = serde_json::to_vec(&changes).map_err(err)?;
+        let size = payload.len();
+        self.wait_for_room(size)?;
+        let mut journal = self.journal.lock().expect("journal lock");
+        let Some(open) = journal.as_mut() else {
+            return Err(StoreError("the store is closed".into()));
+        };
+        let lsn = open.append(&payload).map_err(err)?;
+        let mut backlog = self.backlog.lock().expect("backlog lock");
+        backlog.queue.push_back((lsn, changes, size));
+        backlog.oldest.get_or_insert_with(Instant::now);
+        backlog.bytes += size;
+        self.logged.store(lsn, Ordering::Release);
+        drop(backlog);
+        drop(journal);
+        self.more.notify_one();
+        Ok(())
+    }
+
+    fn wait_for_room(&self, size: usize) -> Result<(), StoreError> {
+        let deadline = Instant::now() + WAIT_LIMIT;
+        let mut backlog = self.backlog.lock().expect("backlog lock");
+        // One batch larger than the whole limit still goes, alone.
+        while backlog.bytes > 0 && backlog.bytes + size > self.max_backlog_bytes {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(StoreError(
+                    "the store is behind: the tables could not keep up with the journal".into(),
+                ));
+            }
+            backlog = self
+                .room
+                .wait_timeout(backlog, left)
+                .expect("backlog lock")
+                .0;
+        }
+        Ok(())
+    }
+
+    /// Waits until the tables hold every batch acknowledged before this call.
+    pub async fn caught_up(&self) -> Result<(), StoreError> {
+        let target = self.logged.load(Ordering::Acquire);
+        if self.applied_now.load(Ordering::Acquire) >= target {
+            return Ok(());
+        }
+        let mut rx = self.applied.subscribe();
+        let _waiting = WaitingReader::new(self);
+        match tokio::time::timeout(WAIT_LIMIT, rx.wait_for(|a| *a >= target)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err(StoreError("the store is closed".into())),
+            Err(_) => Err(StoreError(
+                "the store is behind: the tables did not catch up with the journal".into(),
+            )),
+        }
+    }
+
+    /// Asks the applier to finish what is queued and stop.
+    pub fn close(&self) {
+        self.backlog.lock().expect("backlog lock").closed = true;
+        self.more.notify_all();
+    }
+
+    /// Once the applier has stopped: closes the journal, so that another store may open
+    /// the directory; later commits fail.
+    pub fn close_journal(&self) {
+        self.journal.lock().expect("journal lock").take();
+    }
+
+    /// The applier thread's loop: takes what is queued, applies it in one transaction,
+    /// retrying after a failure (the batches are durable in the journal; they must reach the
+    /// tables, and readers wait meanwhile), until closed with nothing left.
+    pub fn run_applier(self: Arc<Self>) {
+        loop {
+            let taken: Vec<(u64, Changes, usize)> = {
+                let mut backlog = self.backlog.lock().expect("backlog lock");
+                loop {
+                    let Some(oldest) = backlog.oldest else {
+                        if backlog.closed {
+                            return;
+                        }
+                        backlog = self.more.wait(backlog).expect("backlog lock");
+                        continue;
+                    };
+                    let due = oldest + APPLY_DELAY;
+                    let now = Instant::now();
+                    if backlog.closed
+                        || now >= due
+                        || backlog.bytes >= APPLY_BYTES
+                        || self.readers_waiting.load(Ordering::Acquire) > 0
+                    {
+                        break;
+                    }
+                    backlog = self
+                        .more
+                        .wait_timeout(backlog, due - now)
+                        .expect("backlog lock")
+                        .0;
+                }
+                let n = backlog.queue.len().min(MAX_APPLY_BATCHES);
+                let taken: Vec<_> = backlog.queue.drain(..n).collect();
+                if backlog.queue.is_empty() {
+                    backlog.oldest = None;
+                }
+                taken
+            };
+            let last = taken.last().map(|t| t.0).expect("taken is not empty");
+            loop {
+                let done = {
+                    let mut conn = self.writer.lock().expect("writer lock");
+                    let batches: Vec<(u64, &Changes)> = taken.iter().map(|t| (t.0, &t.1)).collect();
+                    let dir = self
+                        .journal
+                        .lock()
+                        .expect("journal lock")
+                        .as_ref()
+                        .map(|j| j.dir().to_path_buf());
+                    apply_or_set_aside(&mut conn, &batches, dir.as_deref())
+                };
+                match done {
+                    Ok(()) => break,
+                    Err(e) => {
+                        if self.backlog.lock().expect("backlog lock").closed {
+                            // Closing: the journal keeps these, and the next open applies them.
+                            tracing::error!(error = %e, lsn = last, "applying journaled batches failed at close; they stay in the journal");
+                            return;
+                        }
+                        tracing::error!(error = %e, lsn = last, "applying journaled batches to the tables failed; retrying");
+                        std::thread::sleep(RETRY_PAUSE);
+                    }
+                }
+            }
+            let size: usize = taken.iter().map(|t| t.2).sum();
+            self.backlog.lock().expect("backlog lock").bytes -= size;
+            self.room.notify_all();
+            self.applied_now.store(last, Ordering::Release);
+            self.applied.send_replace(last);
+            if let Some(journal) = self.journal.lock().expect("journal lock").as_mut()
+                && let Err(e) = journal.forget_through(last)
+            {
+                tracing::warn!(error = %e, "deleting applied journal segments failed");
+            }
+        }
+    }
+}
+
+/// Counts a reader in [`StoreWrites::readers_waiting`] for as long as it lives (a waiting
+/// future may be dropped), and wakes the applier when it starts waiting.
+struct WaitingReader<'a>(&'a StoreWrites);
+
+impl<'a> WaitingReader<'a> {
+    fn new(writes: &'a StoreWrites) -> Self {
+        // Counted under the backlog lock, so the applier cannot miss it between its check
+        // and its wait.
+        let backlog = writes.backlog.lock().expect("backlog lock");
+        writes.readers_waiting.fetch_add(1, Ordering::AcqRel);
+        drop(backlog);
+        writes.more.notify_one();
+        WaitingReader(writes)
+    }
+}
+
+impl Drop for WaitingReader<'_> {
+    fn drop(&mut self) {
+        self.0.readers_waiting.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Applies `batches` in order in one transaction that also records `last` as applied.
+pub fn apply<'a>(
+    conn: &mut Connection,
+    batches: impl Iterator<Item = &'a Changes>,
+    last: u64,
+) -> rusqlite::Result<()> {
+    let tx = conn.transaction()?;
+    let batches: Vec<&Changes> = batches.collect();
+    write::apply(&tx, &batches)?;
+    tx.execute(
+        "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (APPLIED_KEY, last.to_string()),
+    )?;
+    tx.commit()
+}
+
+/// Applies `batches` in one transaction; if the tables refuse one of them (a constraint,
+/// which no retry would change: the engine decided something the tables forbid), applies
+/// them one by one and sets the refused ones aside as `rejected-<lsn>.json` beside the
+/// journal, loudly, rather than stop every later batch behind it. Other errors (the database
+/// busy, the disk full) are returned, to be tried again.
+pub fn apply_or_set_aside(
+    conn: &mut Connection,
+    batches: &[(u64, &Changes)],
+    journal_dir: Option<&std::path::Path>,
+) -> rusqlite::Result<()> {
+    let Some(last) = batches.last().map(|b| b.0) else {
+        return Ok(());
+    };
+    match apply(conn, batches.iter().map(|b| b.1), last) {
+        Err(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation) => {}
+        other => return other,
+    }
+    for (lsn, changes) in batches {
+        match apply(conn, std::iter::once(*changes), *lsn) {
+            Ok(()) => {}
+            Err(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation) => {
+                let kept = journal_dir.map(|dir| {
+                    let path = dir.join(format!("rejected-{lsn:020}.json"));
+                    let written = serde_json::to_vec(changes)
+                        .map_err(std::io::Error::other)
+                        .and_then(|bytes| std::fs::write(&path, bytes));
+                    (path, written)
+                });
+                tracing::error!(lsn, error = %e, kept = ?kept, "the tables refused a journaled batch; it is set aside");
+                apply(conn, std::iter::empty(), *lsn)?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// At open: applies what the journal holds beyond the tables, in transactions of at most
+/// [`MAX_APPLY_BATCHES`]. Returns how many batches it applied.
+pub fn replay(
+    conn: &mut Connection,
+    pending: Vec<crate::journal::Record>,
+    journal_dir: &std::path::Path,
+) -> Result<usize, StoreError> {
+    let count = pending.len();
+    for chunk in pending.chunks(MAX_APPLY_BATCHES) {
+        let mut batches = Vec::with_capacity(chunk.len());
+        for (lsn, payload) in chunk {
+            let changes: Changes = serde_json::from_slice(payload)
+                .map_err(|e| StoreError(format!("journal record {lsn} does not decode: {e}")))?;
+            batches.push(changes);
+        }
+        let batches: Vec<(u64, &Changes)> = chunk.iter().map(|r| r.0).zip(batches.iter()).collect();
+        apply_or_set_aside(conn, &batches, Some(journal_dir)).map_err(err)?;
+    }
+    Ok(count)
+}
+
+/// The last lsn the tables hold (0 for a store that never journaled).
+pub fn applied_lsn(conn: &Connection) -> Result<u64, StoreError> {
+    let value = crate::read::meta_get(conn, APPLIED_KEY).map_err(err)?;
+    match value {
+        None => Ok(0),
+        Some(v) => v
+            .parse()
+            .map_err(|_| StoreError(format!("meta {APPLIED_KEY} is not a number: {v}"))),
+    }
+}
