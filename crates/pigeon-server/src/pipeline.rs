@@ -1,8 +1,8 @@
 //! The write pipeline: a decider task takes commands as they arrive and lets the engine
-//! decide them into a batch; a committer task commits each batch in one transaction (group
-//! commit: one fsync for the whole batch) and only then answers and pushes. The two overlap:
-//! batch N+1 is decided while batch N commits. In the embedded mode the one decider owns
-//! every partition, because SQLite has one writer; `seq` and `user_seq` therefore have
+//! decide them into a batch; a committer task commits each batch as one unit (group commit:
+//! in the embedded store, one journal record and one fsync for the whole batch) and only
+//! then answers and pushes. The two overlap: batch N+1 is decided while batch N commits. In
+//! the embedded mode the one decider owns every conversation, so `seq` and `user_seq` have
 //! exactly one owner.
 
 use crate::hub::{Hub, Outbox, Outgoing};
