@@ -364,19 +364,7 @@ impl Journal {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn temp_dir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "pigeon-journal-{name}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        fs::create_dir_all(&d).unwrap();
-        d
-    }
+    use crate::temp_dir;
 
     #[test]
     fn records_come_back_after_the_applied_lsn_in_order() {

@@ -437,21 +437,28 @@ impl Store for SqliteStore {
     }
 }
 
+/// A fresh directory under the system's temp dir, for tests.
+#[cfg(test)]
+pub(crate) fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "pigeon-store-{name}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn temp_dir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "pigeon-store-{name}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    async fn user_name(store: &SqliteStore, id: u64) -> Option<String> {
+        let user = store.user(UserId::new(id).unwrap()).await.unwrap();
+        user.map(|u| u.name)
     }
 
     fn user_named(id: u64, name: &str) -> Changes {
@@ -469,8 +476,7 @@ mod tests {
             store.commit(user_named(i, &format!("u{i}"))).await.unwrap();
             // The applier waits up to a quarter second for more batches; the read must not
             // see the tables before it has applied this one.
-            let got = store.user(UserId::new(i).unwrap()).await.unwrap();
-            assert_eq!(got.map(|u| u.name), Some(format!("u{i}")));
+            assert_eq!(user_name(&store, i).await, Some(format!("u{i}")));
         }
         drop(store);
         std::fs::remove_dir_all(dir).unwrap();
@@ -498,19 +504,9 @@ mod tests {
             }
         }
         let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
-        let name = |id| {
-            let store = store.clone();
-            async move {
-                store
-                    .user(UserId::new(id).unwrap())
-                    .await
-                    .unwrap()
-                    .map(|u| u.name)
-            }
-        };
-        assert_eq!(name(2).await.as_deref(), Some("journaled"));
+        assert_eq!(user_name(&store, 2).await.as_deref(), Some("journaled"));
         assert_eq!(
-            name(1).await.as_deref(),
+            user_name(&store, 1).await.as_deref(),
             Some("renamed"),
             "applied in order"
         );
@@ -521,15 +517,7 @@ mod tests {
         assert_eq!(applier::applied_lsn(&c).unwrap(), 4);
         drop(c);
         let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
-        assert_eq!(
-            store
-                .user(UserId::new(3).unwrap())
-                .await
-                .unwrap()
-                .map(|u| u.name)
-                .as_deref(),
-            Some("after")
-        );
+        assert_eq!(user_name(&store, 3).await.as_deref(), Some("after"));
         drop(store);
         std::fs::remove_dir_all(dir).unwrap();
     }
@@ -562,19 +550,13 @@ mod tests {
         store.commit(first).await.unwrap();
         store.commit(second).await.unwrap();
         store.commit(user_named(3, "three")).await.unwrap();
-        let name = |id| {
-            let store = store.clone();
-            async move {
-                store
-                    .user(UserId::new(id).unwrap())
-                    .await
-                    .unwrap()
-                    .map(|u| u.name)
-            }
-        };
-        assert_eq!(name(1).await.as_deref(), Some("one"));
-        assert_eq!(name(2).await, None, "the refused batch is not half applied");
-        assert_eq!(name(3).await.as_deref(), Some("three"));
+        assert_eq!(user_name(&store, 1).await.as_deref(), Some("one"));
+        assert_eq!(
+            user_name(&store, 2).await,
+            None,
+            "the refused batch is not half applied"
+        );
+        assert_eq!(user_name(&store, 3).await.as_deref(), Some("three"));
         let kept = dir.join("journal").join(format!("rejected-{:020}.json", 2));
         let back: Changes = serde_json::from_slice(&std::fs::read(kept).unwrap()).unwrap();
         assert_eq!(back.users[0].1, "two");
