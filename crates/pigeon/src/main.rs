@@ -8,6 +8,12 @@ use clap::{Parser, Subcommand};
 use pigeon_server::{Config, ServeArgs};
 use std::process::ExitCode;
 
+/// mimalloc instead of glibc's malloc: under load the server frees and allocates frames,
+/// batches and journal records from many threads, and glibc's allocator was ~13 % of the
+/// server's CPU in `perf` (see BENCHMARKS.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "pigeon",
