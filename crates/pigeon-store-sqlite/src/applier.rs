@@ -4,12 +4,14 @@
 //! acknowledged before they started (`StoreWrites::caught_up`), so nobody reads around the
 //! journal.
 
+use crate::err;
 use crate::journal::Journal;
 use crate::write;
 use pigeon_core::changes::Changes;
 use pigeon_core::store::StoreError;
 use rusqlite::Connection;
 use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -48,23 +50,20 @@ pub struct StoreWrites {
     pub writer: Mutex<Connection>,
     /// `None` once closed: the journal's directory lock is released with it.
     journal: Mutex<Option<Journal>>,
+    /// Where refused batches are set aside (the journal's directory).
+    journal_dir: PathBuf,
     backlog: Mutex<Backlog>,
     /// Signalled when the backlog grows or closes (the applier waits on it).
     more: Condvar,
     /// Signalled when the backlog shrinks (a commit waiting for room waits on it).
     room: Condvar,
     logged: AtomicU64,
-    applied_now: AtomicU64,
     /// Readers waiting in [`StoreWrites::caught_up`]: while there are any, the applier does
     /// not wait for more batches.
     readers_waiting: AtomicUsize,
     applied: watch::Sender<u64>,
     /// Journaled but unapplied payload bytes past which a commit waits for the applier.
     max_backlog_bytes: usize,
-}
-
-fn err(e: impl std::fmt::Display) -> StoreError {
-    StoreError(e.to_string())
 }
 
 impl StoreWrites {
@@ -75,13 +74,13 @@ impl StoreWrites {
         max_backlog_bytes: usize,
     ) -> Arc<Self> {
         Arc::new(StoreWrites {
+            journal_dir: journal.dir().to_path_buf(),
             writer: Mutex::new(writer),
             journal: Mutex::new(Some(journal)),
             backlog: Mutex::new(Backlog::default()),
             more: Condvar::new(),
             room: Condvar::new(),
             logged: AtomicU64::new(applied),
-            applied_now: AtomicU64::new(applied),
             readers_waiting: AtomicUsize::new(0),
             applied: watch::channel(applied).0,
             max_backlog_bytes,
@@ -132,7 +131,7 @@ impl StoreWrites {
     /// Waits until the tables hold every batch acknowledged before this call.
     pub async fn caught_up(&self) -> Result<(), StoreError> {
         let target = self.logged.load(Ordering::Acquire);
-        if self.applied_now.load(Ordering::Acquire) >= target {
+        if *self.applied.borrow() >= target {
             return Ok(());
         }
         let mut rx = self.applied.subscribe();
@@ -200,13 +199,7 @@ impl StoreWrites {
                 let done = {
                     let mut conn = self.writer.lock().expect("writer lock");
                     let batches: Vec<(u64, &Changes)> = taken.iter().map(|t| (t.0, &t.1)).collect();
-                    let dir = self
-                        .journal
-                        .lock()
-                        .expect("journal lock")
-                        .as_ref()
-                        .map(|j| j.dir().to_path_buf());
-                    apply_or_set_aside(&mut conn, &batches, dir.as_deref())
+                    apply_or_set_aside(&mut conn, &batches, &self.journal_dir)
                 };
                 match done {
                     Ok(()) => break,
@@ -224,7 +217,6 @@ impl StoreWrites {
             let size: usize = taken.iter().map(|t| t.2).sum();
             self.backlog.lock().expect("backlog lock").bytes -= size;
             self.room.notify_all();
-            self.applied_now.store(last, Ordering::Release);
             self.applied.send_replace(last);
             if let Some(journal) = self.journal.lock().expect("journal lock").as_mut()
                 && let Err(e) = journal.forget_through(last)
@@ -281,7 +273,7 @@ pub fn apply<'a>(
 pub fn apply_or_set_aside(
     conn: &mut Connection,
     batches: &[(u64, &Changes)],
-    journal_dir: Option<&std::path::Path>,
+    journal_dir: &Path,
 ) -> rusqlite::Result<()> {
     let Some(last) = batches.last().map(|b| b.0) else {
         return Ok(());
@@ -294,14 +286,11 @@ pub fn apply_or_set_aside(
         match apply(conn, std::iter::once(*changes), *lsn) {
             Ok(()) => {}
             Err(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation) => {
-                let kept = journal_dir.map(|dir| {
-                    let path = dir.join(format!("rejected-{lsn:020}.json"));
-                    let written = serde_json::to_vec(changes)
-                        .map_err(std::io::Error::other)
-                        .and_then(|bytes| std::fs::write(&path, bytes));
-                    (path, written)
-                });
-                tracing::error!(lsn, error = %e, kept = ?kept, "the tables refused a journaled batch; it is set aside");
+                let path = journal_dir.join(format!("rejected-{lsn:020}.json"));
+                let kept = serde_json::to_vec(changes)
+                    .map_err(std::io::Error::other)
+                    .and_then(|bytes| std::fs::write(&path, bytes));
+                tracing::error!(lsn, error = %e, file = %path.display(), kept = ?kept, "the tables refused a journaled batch; it is set aside");
                 apply(conn, std::iter::empty(), *lsn)?;
             }
             Err(e) => return Err(e),
@@ -315,7 +304,7 @@ pub fn apply_or_set_aside(
 pub fn replay(
     conn: &mut Connection,
     pending: Vec<crate::journal::Record>,
-    journal_dir: &std::path::Path,
+    journal_dir: &Path,
 ) -> Result<usize, StoreError> {
     let count = pending.len();
     for chunk in pending.chunks(MAX_APPLY_BATCHES) {
@@ -326,7 +315,7 @@ pub fn replay(
             batches.push(changes);
         }
         let batches: Vec<(u64, &Changes)> = chunk.iter().map(|r| r.0).zip(batches.iter()).collect();
-        apply_or_set_aside(conn, &batches, Some(journal_dir)).map_err(err)?;
+        apply_or_set_aside(conn, &batches, journal_dir).map_err(err)?;
     }
     Ok(count)
 }

@@ -366,6 +366,17 @@ mod tests {
     use super::*;
     use crate::temp_dir;
 
+    /// A journal in `dir` holding "one" (lsn 1) and "two" (lsn 2), each in its own segment.
+    fn two_segments(dir: &Path) -> Journal {
+        let (mut j, _) = Journal::open(dir, true, 0).unwrap();
+        j.append(b"one").unwrap();
+        // Force a second segment.
+        j.tail_len = SEGMENT_BYTES;
+        j.append(b"two").unwrap();
+        assert_eq!(j.segment_count(), 2);
+        j
+    }
+
     #[test]
     fn records_come_back_after_the_applied_lsn_in_order() {
         let dir = temp_dir("order");
@@ -464,13 +475,7 @@ mod tests {
     #[test]
     fn damage_before_the_last_segment_refuses_to_open() {
         let dir = temp_dir("damage");
-        let (mut j, _) = Journal::open(&dir, true, 0).unwrap();
-        j.append(b"one").unwrap();
-        // Force a second segment.
-        j.tail_len = SEGMENT_BYTES;
-        j.append(b"two").unwrap();
-        assert_eq!(j.segment_count(), 2);
-        drop(j);
+        drop(two_segments(&dir));
         let seg = segment_path(&dir, 1);
         let mut bytes = fs::read(&seg).unwrap();
         let last = bytes.len() - 1;
@@ -484,10 +489,7 @@ mod tests {
     #[test]
     fn applied_segments_are_deleted_and_a_gap_before_the_journal_refuses_to_open() {
         let dir = temp_dir("forget");
-        let (mut j, _) = Journal::open(&dir, true, 0).unwrap();
-        j.append(b"one").unwrap();
-        j.tail_len = SEGMENT_BYTES;
-        j.append(b"two").unwrap();
+        let mut j = two_segments(&dir);
         j.forget_through(0).unwrap();
         assert_eq!(j.segment_count(), 2, "record 1 is not applied yet");
         j.forget_through(1).unwrap();

@@ -84,7 +84,7 @@ pub const DEFAULT_BACKLOG_BYTES: usize = 64 << 20;
 /// about this size and is then reused.
 const WAL_AUTOCHECKPOINT_PAGES: i64 = 40_000;
 
-fn err(e: impl std::fmt::Display) -> StoreError {
+pub(crate) fn err(e: impl std::fmt::Display) -> StoreError {
     StoreError(e.to_string())
 }
 
