@@ -81,7 +81,7 @@ impl Engine {
             messages: UntilCommitted::default(),
             dedupe: UntilCommitted::default(),
             dedupe_checked: UntilCommitted::default(),
-            known_keys: KnownKeys::with_capacity(1 << 16),
+            known_keys: KnownKeys::with_capacity(crate::known_keys::MIN_CAPACITY),
             touched: HashSet::new(),
         }
     }
@@ -124,14 +124,15 @@ impl Engine {
         for cmd in batch {
             match cmd {
                 Command::Send(s) => {
-                    let key = (s.sender, s.client_msg_id.clone());
-                    // Known already (answered from memory), or never seen (new for sure):
-                    // no look-up.
-                    if !self.dedupe.contains_key(&key)
-                        && !self.dedupe_checked.contains_key(&key)
-                        && self.known_keys.may_contain(s.sender, &s.client_msg_id)
-                    {
-                        n.dedupe.insert(key);
+                    // Never seen (new for sure: the common case, asked first, with no key
+                    // built), or known already (answered from memory): no look-up.
+                    if self.known_keys.may_contain(s.sender, &s.client_msg_id) {
+                        let key = (s.sender, s.client_msg_id.clone());
+                        if !self.dedupe.contains_key(&key)
+                            && !self.dedupe_checked.contains_key(&key)
+                        {
+                            n.dedupe.insert(key);
+                        }
                     }
                     match &s.to {
                         SendTo::User(peer) => {

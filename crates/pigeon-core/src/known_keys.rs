@@ -51,9 +51,10 @@ impl KnownKeys {
             self.in_last = 0;
         }
         let key = (sender.get(), cmid.as_str());
-        if let Some(last) = self.filters.last_mut() {
-            last.insert(&key);
-        }
+        self.filters
+            .last_mut()
+            .expect("there is always a filter")
+            .insert(&key);
         self.in_last += 1;
         self.total += 1;
     }

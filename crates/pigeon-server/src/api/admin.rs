@@ -1,7 +1,7 @@
 //! The admin API: the application's back end registers users, mints and revokes tokens, and
 //! audits or deletes messages.
 
-use super::{Admin, ApiJson, empty, path_msg_id, path_user};
+use super::{Admin, ApiJson, path_msg_id, path_user, run};
 use crate::app::AppRef;
 use crate::auth::Claims;
 use crate::error::{ApiError, ApiResult};
@@ -97,8 +97,7 @@ pub async fn logout(
         .user(user)
         .await?
         .ok_or_else(|| ApiError::not_found("user"))?;
-    app.pipeline.call(Command::Logout { user }).await?;
-    Ok(empty())
+    run(&app, Command::Logout { user }).await
 }
 
 pub async fn get_message(

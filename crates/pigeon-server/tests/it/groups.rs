@@ -50,11 +50,6 @@ async fn no_push_after(ws: &mut WsConn, conv: &str, seq: u64) {
     assert!(got.is_none(), "unexpected push after seq {seq}: {got:?}");
 }
 
-/// The messages of a history page (see [`history_msgs`]).
-async fn history(h: &Http, conv: &str, query: &str) -> Vec<Value> {
-    history_msgs(h, conv, query).await
-}
-
 /// Asserts `h` reads nothing of `conv` after `seq`: either an empty page or `not_member`.
 async fn reads_nothing_after(h: &Http, conv: &str, seq: u64) {
     match h
@@ -186,13 +181,13 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     // The newcomer has read everything there is and sees nothing from before they joined.
     let cv = carol.get(&format!("/v1/conversations/{id}")).await.unwrap();
     assert_eq!(cv["unread"], 0, "{cv}");
-    let seen = history(&carol, &id, "?limit=100").await;
+    let seen = history_msgs(&carol, &id, "?limit=100").await;
     assert!(
         seen.iter().all(|m| m["seq"].as_u64().unwrap() >= 5),
         "carol reads only from her invitation on: {seen:?}"
     );
     assert_eq!(seen.len(), 1);
-    let before = history(&carol, &id, "?before=5").await;
+    let before = history_msgs(&carol, &id, "?before=5").await;
     assert!(before.is_empty(), "{before:?}");
     let r = carol
         .get(&format!(
@@ -749,7 +744,7 @@ async fn a_dismissed_group_is_read_only() {
     let _ = s.user(444).await;
     assert_eq!(code_of(invite(&alice, &id, &[444]).await), "conflict");
     // History stays readable and ends with the dismissal.
-    let msgs = history(&bob, &id, "").await;
+    let msgs = history_msgs(&bob, &id, "").await;
     let kinds: Vec<&str> = msgs.iter().map(|m| m["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, vec!["group_created", "text", "group_dismissed"]);
     assert_eq!(newest_seq(&alice, &id).await, 3);
@@ -918,7 +913,7 @@ async fn removal_is_the_last_push_in_a_read_fanout_group_too() {
     invite(&alice, &id, &[555]).await.unwrap();
     let inv = pushed(&mut e, &id, "member_invited").await;
     assert_eq!(inv["seq"], kick_seq + 2);
-    let seen = history(&erin, &id, "?limit=100").await;
+    let seen = history_msgs(&erin, &id, "?limit=100").await;
     assert!(
         seen.iter()
             .all(|m| m["seq"].as_u64().unwrap() >= kick_seq + 2)

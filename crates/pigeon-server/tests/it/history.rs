@@ -3,11 +3,6 @@
 use crate::*;
 use serde_json::json;
 
-/// The seqs of a history page (see [`page_seqs`]).
-fn seqs(page: &Value) -> Vec<u64> {
-    page_seqs(page)
-}
-
 async fn conversation_with(n: u64) -> (TestServer, Http) {
     let s = spawn_server().await;
     let alice = s.user(111).await;
@@ -29,28 +24,28 @@ async fn pages_by_cursor_in_both_directions() {
     let (_s, alice) = conversation_with(45).await;
     let base = "/v1/conversations/111-222/messages";
     let first = alice.get(base).await.unwrap();
-    assert_eq!(seqs(&first), (26..=45).collect::<Vec<_>>());
+    assert_eq!(page_seqs(&first), (26..=45).collect::<Vec<_>>());
     assert_eq!(first["has_more"], true);
     let older = alice.get(&format!("{base}?before=26")).await.unwrap();
-    assert_eq!(seqs(&older), (6..=25).collect::<Vec<_>>());
+    assert_eq!(page_seqs(&older), (6..=25).collect::<Vec<_>>());
     assert_eq!(older["has_more"], true);
     let oldest = alice.get(&format!("{base}?before=6")).await.unwrap();
-    assert_eq!(seqs(&oldest), (1..=5).collect::<Vec<_>>());
+    assert_eq!(page_seqs(&oldest), (1..=5).collect::<Vec<_>>());
     assert_eq!(oldest["has_more"], false);
     let newer = alice
         .get(&format!("{base}?after=40&limit=3"))
         .await
         .unwrap();
-    assert_eq!(seqs(&newer), vec![41, 42, 43]);
+    assert_eq!(page_seqs(&newer), vec![41, 42, 43]);
     assert_eq!(newer["has_more"], true);
     let newest = alice
         .get(&format!("{base}?after=43&limit=3"))
         .await
         .unwrap();
-    assert_eq!(seqs(&newest), vec![44, 45]);
+    assert_eq!(page_seqs(&newest), vec![44, 45]);
     assert_eq!(newest["has_more"], false);
     let big = alice.get(&format!("{base}?limit=1000")).await.unwrap();
-    assert!(seqs(&big).len() <= 100);
+    assert!(page_seqs(&big).len() <= 100);
     assert_eq!(
         code_of(alice.get(&format!("{base}?before=5&after=2")).await),
         "invalid_argument"
@@ -66,9 +61,9 @@ async fn ranges_are_inclusive_and_bounded() {
     let (_s, alice) = conversation_with(12).await;
     let base = "/v1/conversations/111-222/messages/range";
     let r = alice.get(&format!("{base}?from=3&to=7")).await.unwrap();
-    assert_eq!(seqs(&r), vec![3, 4, 5, 6, 7]);
+    assert_eq!(page_seqs(&r), vec![3, 4, 5, 6, 7]);
     let r = alice.get(&format!("{base}?from=10&to=50")).await.unwrap();
-    assert_eq!(seqs(&r), vec![10, 11, 12]);
+    assert_eq!(page_seqs(&r), vec![10, 11, 12]);
     assert_eq!(
         code_of(alice.get(&format!("{base}?from=1&to=201")).await),
         "invalid_argument"
@@ -105,17 +100,17 @@ async fn pages_by_time() {
         ))
         .await
         .unwrap();
-    assert_eq!(seqs(&page), vec![2, 3, 4]);
+    assert_eq!(page_seqs(&page), vec![2, 3, 4]);
     let page = alice
         .get(&format!("{base}?from_time={}", times[4]))
         .await
         .unwrap();
-    assert_eq!(seqs(&page), vec![5, 6]);
+    assert_eq!(page_seqs(&page), vec![5, 6]);
     let page = alice
         .get(&format!("{base}?to_time={}&limit=1", times[2]))
         .await
         .unwrap();
-    assert_eq!(seqs(&page), vec![3]);
+    assert_eq!(page_seqs(&page), vec![3]);
     assert_eq!(page["has_more"], true);
 }
 

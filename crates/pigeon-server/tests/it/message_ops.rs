@@ -50,11 +50,6 @@ async fn pushed(ws: &mut WsConn, conv: &str, kind: &str) -> Value {
         .clone()
 }
 
-/// The seqs of a history page (see [`page_seqs`]).
-fn all_seqs(page: &Value) -> Vec<u64> {
-    page_seqs(page)
-}
-
 #[tokio::test]
 async fn the_sender_recalls_and_everyone_sees_it_recalled() {
     let s = spawn_server().await;
@@ -354,7 +349,11 @@ async fn delete_for_me_hides_the_message_only_for_the_caller() {
         (Some("deleted"), Some(""))
     );
     let page = bob.get("/v1/conversations/111-222/messages").await.unwrap();
-    assert_eq!(all_seqs(&page), vec![s1, s2], "the message keeps its place");
+    assert_eq!(
+        page_seqs(&page),
+        vec![s1, s2],
+        "the message keeps its place"
+    );
     let hidden = at_seq(&bob, "111-222", s2).await;
     assert_eq!(hidden["msg_id"], m2.as_str());
     assert_eq!(
@@ -429,7 +428,7 @@ async fn admin_delete_removes_the_message_for_everyone_and_keeps_its_seq() {
     assert_eq!(r["seq"], s2);
     for h in [&alice, &bob] {
         let page = h.get("/v1/conversations/111-222/messages").await.unwrap();
-        assert_eq!(all_seqs(&page), vec![1, 2, 3]);
+        assert_eq!(page_seqs(&page), vec![1, 2, 3]);
         let m = at_seq(h, "111-222", s2).await;
         assert_eq!(m["msg_id"], m2.as_str());
         assert_eq!(
