@@ -647,7 +647,9 @@ async fn load(
         if needs.is_empty() {
             return Ok(());
         }
+        let started = Instant::now();
         let loaded = store.load(needs.clone()).await?;
+        metrics::histogram!("pigeon_store_load_seconds").record(started.elapsed().as_secs_f64());
         engine.absorb(loaded, &needs);
     }
     Ok(())

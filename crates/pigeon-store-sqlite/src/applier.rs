@@ -5,7 +5,7 @@
 //! journal.
 
 use crate::err;
-use crate::journal::Journal;
+use crate::journal::{Journal, RecordBuf};
 use crate::write;
 use pigeon_core::changes::Changes;
 use pigeon_core::store::StoreError;
@@ -50,6 +50,8 @@ pub struct StoreWrites {
     pub writer: Mutex<Connection>,
     /// `None` once closed: the journal's directory lock is released with it.
     journal: Mutex<Option<Journal>>,
+    /// The buffer each batch is encoded into (taken before `journal`).
+    record: Mutex<RecordBuf>,
     /// Where refused batches are set aside (the journal's directory).
     journal_dir: PathBuf,
     backlog: Mutex<Backlog>,
@@ -77,6 +79,7 @@ impl StoreWrites {
             journal_dir: journal.dir().to_path_buf(),
             writer: Mutex::new(writer),
             journal: Mutex::new(Some(journal)),
+            record: Mutex::new(RecordBuf::default()),
             backlog: Mutex::new(Backlog::default()),
             more: Condvar::new(),
             room: Condvar::new(),
@@ -89,14 +92,16 @@ impl StoreWrites {
 
     /// Makes `changes` durable in the journal and queues it for the tables. Blocking.
     pub fn commit(&self, changes: Changes) -> Result<(), StoreError> {
-        let payload = serde_json::to_vec(&changes).map_err(err)?;
-        let size = payload.len();
+        let mut record = self.record.lock().expect("record lock");
+        record.clear();
+        serde_json::to_writer(&mut *record, &changes).map_err(err)?;
+        let size = record.payload().len();
         self.wait_for_room(size)?;
         let mut journal = self.journal.lock().expect("journal lock");
         let Some(open) = journal.as_mut() else {
             return Err(StoreError("the store is closed".into()));
         };
-        let lsn = open.append(&payload).map_err(err)?;
+        let lsn = open.append_record(&mut record).map_err(err)?;
         let mut backlog = self.backlog.lock().expect("backlog lock");
         backlog.queue.push_back((lsn, changes, size));
         backlog.oldest.get_or_insert_with(Instant::now);

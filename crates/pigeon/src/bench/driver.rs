@@ -594,7 +594,14 @@ impl Driver {
             let sent_us = match plan.interval {
                 None => now_us(),
                 Some(every) => {
-                    let at = *self.next_at.get_or_insert(now);
+                    // Connections start spread over one interval (by the golden ratio
+                    // of their user id), not all at once: a fixed total rate then arrives
+                    // evenly, as many independent users do, instead of as one burst of
+                    // every connection per interval.
+                    let at = *self.next_at.get_or_insert_with(|| {
+                        let phase = (self.user as f64 * 0.618_033_988_749_895).fract();
+                        now + every.mul_f64(phase)
+                    });
                     if at > now {
                         return Ok(());
                     }
@@ -805,8 +812,33 @@ struct Incoming<'a> {
     #[serde(borrow)]
     code: Option<std::borrow::Cow<'a, str>>,
     retry_after_ms: Option<u64>,
-    #[serde(borrow)]
+    /// A push's message; an `error` frame's `message` (its text) reads as `None`.
+    #[serde(borrow, default, deserialize_with = "pushed_message")]
     message: Option<PushedMessage<'a>>,
+}
+
+/// `message` as a push's object, or `None` for any other JSON (an error frame's text).
+fn pushed_message<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<PushedMessage<'de>>, D::Error> {
+    use serde::de::{MapAccess, Visitor, value::MapAccessDeserializer};
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Option<PushedMessage<'de>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a message object or text")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            serde::Deserialize::deserialize(MapAccessDeserializer::new(map)).map(Some)
+        }
+        fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    d.deserialize_any(V)
 }
 
 #[derive(serde::Deserialize)]
@@ -937,6 +969,20 @@ pub fn evaluate(reports: Vec<ConnReport>) -> Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_frames_parse_beside_pushes() {
+        let err = r#"{"type":"error","req":7,"code":"rate_limited","message":"too many messages; slow down","retry_after_ms":1}"#;
+        let f: Incoming = serde_json::from_str(err).expect("error frame");
+        assert_eq!(f.kind, "error");
+        assert_eq!((f.req, f.code.as_deref(), f.retry_after_ms), (Some(7), Some("rate_limited"), Some(1)));
+        assert!(f.message.is_none());
+        let push = r#"{"type":"msg","user_seq":3,"message":{"conversation_id":"1-2","seq":5,"sender":1,"kind":"text","content":"hi"}}"#;
+        let f: Incoming = serde_json::from_str(push).expect("push frame");
+        let m = f.message.expect("message");
+        assert_eq!((m.conversation_id.as_ref(), m.seq, m.sender), ("1-2", 5, 1));
+        assert_eq!(f.user_seq, Some(3));
+    }
 
     #[test]
     fn seq_set_and_tracking() {
