@@ -223,10 +223,14 @@ impl StoreWrites {
             self.backlog.lock().expect("backlog lock").bytes -= size;
             self.room.notify_all();
             self.applied.send_replace(last);
-            if let Some(journal) = self.journal.lock().expect("journal lock").as_mut()
-                && let Err(e) = journal.forget_through(last)
-            {
-                tracing::warn!(error = %e, "deleting applied journal segments failed");
+            let applied_segments = match self.journal.lock().expect("journal lock").as_mut() {
+                Some(journal) => journal.detach_applied(last),
+                None => Vec::new(),
+            };
+            for path in applied_segments {
+                if let Err(e) = std::fs::remove_file(&path) {
+                    tracing::warn!(error = %e, segment = %path.display(), "deleting an applied journal segment failed");
+                }
             }
         }
     }
