@@ -471,7 +471,12 @@ mod tests {
         let dir = temp_dir("reuse");
         let (mut j, _) = Journal::open(&dir, true, 0).unwrap();
         let mut rec = RecordBuf::default();
-        let payloads = [vec![b'x'; 5000], b"short".to_vec(), Vec::new(), vec![b'y'; 70]];
+        let payloads = [
+            vec![b'x'; 5000],
+            b"short".to_vec(),
+            Vec::new(),
+            vec![b'y'; 70],
+        ];
         for (i, p) in payloads.iter().enumerate() {
             rec.clear();
             rec.write_all(p).unwrap();
@@ -592,7 +597,10 @@ mod tests {
     fn a_detached_segment_left_by_a_crash_before_its_deletion_is_deleted_at_open() {
         let dir = temp_dir("detach");
         let mut j = two_segments(&dir);
-        assert!(j.detach_applied(0).is_empty(), "record 1 is not applied yet");
+        assert!(
+            j.detach_applied(0).is_empty(),
+            "record 1 is not applied yet"
+        );
         assert_eq!(j.detach_applied(1), vec![segment_path(&dir, 1)]);
         assert_eq!(j.segment_count(), 1);
         // The process dies before it deletes the detached segment.

@@ -594,14 +594,12 @@ impl Driver {
             let sent_us = match plan.interval {
                 None => now_us(),
                 Some(every) => {
-                    // Connections start spread over one interval (by the golden ratio
-                    // of their user id), not all at once: a fixed total rate then arrives
-                    // evenly, as many independent users do, instead of as one burst of
-                    // every connection per interval.
-                    let at = *self.next_at.get_or_insert_with(|| {
-                        let phase = (self.user as f64 * 0.618_033_988_749_895).fract();
-                        now + every.mul_f64(phase)
-                    });
+                    // Connections start spread over one interval, not all at once: a
+                    // fixed total rate then arrives evenly, as many independent users
+                    // do, instead of as one burst of every connection per interval.
+                    let at = *self
+                        .next_at
+                        .get_or_insert_with(|| now + every.mul_f64(start_phase(self.user)));
                     if at > now {
                         return Ok(());
                     }
@@ -798,6 +796,13 @@ impl Driver {
     }
 }
 
+/// Where in its send interval a connection starts, in [0, 1): its user id's Fibonacci hash
+/// (ids are large and consecutive; a float product of them would keep no fraction), so
+/// consecutive users land spread evenly over the interval.
+fn start_phase(user: u64) -> f64 {
+    (user.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// The fields of a server frame the load tool reads, parsed without building a JSON tree
 /// (the tool parses every push; a `serde_json::Value` per frame cost most of a core).
 #[derive(serde::Deserialize)]
@@ -971,11 +976,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn start_phases_of_consecutive_users_spread_over_the_interval() {
+        let base = 5_861_415_005_000_000u64;
+        let mut tenths = [0u32; 10];
+        for u in base..base + 200 {
+            let p = start_phase(u);
+            assert!((0.0..1.0).contains(&p));
+            tenths[(p * 10.0) as usize] += 1;
+        }
+        // 200 users: every tenth of the interval gets some, none gets a crowd.
+        assert!(tenths.iter().all(|&n| (10..=30).contains(&n)), "{tenths:?}");
+    }
+
+    #[test]
     fn error_frames_parse_beside_pushes() {
         let err = r#"{"type":"error","req":7,"code":"rate_limited","message":"too many messages; slow down","retry_after_ms":1}"#;
         let f: Incoming = serde_json::from_str(err).expect("error frame");
         assert_eq!(f.kind, "error");
-        assert_eq!((f.req, f.code.as_deref(), f.retry_after_ms), (Some(7), Some("rate_limited"), Some(1)));
+        assert_eq!(
+            (f.req, f.code.as_deref(), f.retry_after_ms),
+            (Some(7), Some("rate_limited"), Some(1))
+        );
         assert!(f.message.is_none());
         let push = r#"{"type":"msg","user_seq":3,"message":{"conversation_id":"1-2","seq":5,"sender":1,"kind":"text","content":"hi"}}"#;
         let f: Incoming = serde_json::from_str(push).expect("push frame");
