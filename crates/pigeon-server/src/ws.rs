@@ -32,6 +32,10 @@ const MAX_PUSH_TRIES: u8 = 4;
 /// Bad frames tolerated per window before the connection is closed with 1008.
 const BAD_FRAMES_PER_WINDOW: u32 = 20;
 const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
+/// Bytes read from the socket at a time, allocated (and zeroed) for every connection up
+/// front: an idle connection's largest buffer. A client frame is ~100-300 bytes, so a few
+/// fit; a larger frame takes more reads, not more memory.
+const READ_BUFFER_BYTES: usize = 2048;
 /// Bytes of frames gathered before they are written to the socket (see [`upgrade`]).
 const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Frames written before one flush.
@@ -67,7 +71,7 @@ pub async fn upgrade(
     match authorized {
         Ok((user, device)) => ws
             .protocols(["pigeon.v1.json"])
-            .read_buffer_size(4096)
+            .read_buffer_size(READ_BUFFER_BYTES)
             // Frames fed between two flushes are gathered up to this size and written with one
             // syscall (0 would write each frame by itself: one syscall per frame). The buffer
             // grows only as frames need it, so an idle connection keeps it small.
@@ -264,7 +268,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                 };
                 conn.last_seen = Instant::now();
                 let replies = match msg {
-                    WsMessage::Text(t) => conn.handle_text(t.as_str()).await,
+                    WsMessage::Text(t) => Box::pin(conn.handle_text(t.as_str())).await,
                     WsMessage::Binary(_) => conn.bad_frame(None, "binary frames are not part of pigeon.v1.json"),
                     WsMessage::Ping(_) | WsMessage::Pong(_) => Vec::new(),
                     WsMessage::Close(_) => break Stop::Gone,
@@ -303,7 +307,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                     break Stop::Gone;
                 }
                 if conn.cursors_dirty && conn.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY {
-                    conn.flush_cursors(false).await;
+                    Box::pin(conn.flush_cursors(false)).await;
                 }
             }
         }
@@ -314,7 +318,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
     if let Some(room) = conn.room.take() {
         app.rooms.leave(&room, conn.conn_id);
     }
-    conn.flush_cursors(true).await;
+    Box::pin(conn.flush_cursors(true)).await;
     drop(registration);
 }
 
@@ -459,9 +463,11 @@ impl Connection {
                 self.ack(a)?;
                 Ok(Vec::new())
             }
+            // The rare, heavy frames' futures are boxed: inline, the largest of them would set
+            // the size of every connection's task, idle or not (see `run`).
             ClientFrame::Sync(f) => {
-                self.flush_cursors(true).await;
-                let s = app.sync(self.user, &self.device, &f).await?;
+                Box::pin(self.flush_cursors(true)).await;
+                let s = Box::pin(app.sync(self.user, &self.device, &f)).await?;
                 let frame = ServerFrame::SyncResult {
                     req,
                     user_seq: s.user_seq,
@@ -471,8 +477,8 @@ impl Connection {
                 Ok(vec![frame.to_json()])
             }
             ClientFrame::Pull(f) => {
-                self.flush_cursors(true).await;
-                let (items, has_more) = app.pull(self.user, &self.device, &f).await?;
+                Box::pin(self.flush_cursors(true)).await;
+                let (items, has_more) = Box::pin(app.pull(self.user, &self.device, &f)).await?;
                 Ok(vec![
                     ServerFrame::PullResult {
                         req,
@@ -511,7 +517,7 @@ impl Connection {
                         self.typing_last.clear();
                     }
                     self.typing_last.insert(t.conversation_id.clone(), now);
-                    app.typing(self.user, &t.conversation_id).await?;
+                    Box::pin(app.typing(self.user, &t.conversation_id)).await?;
                 }
                 Ok(Vec::new())
             }
