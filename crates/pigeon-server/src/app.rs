@@ -26,6 +26,8 @@ pub struct App {
     pub pipeline: Pipeline,
     pub hub: Arc<Hub>,
     pub signer: TokenSigner,
+    /// Token generations already read (see [`crate::auth::TokenGenerations`]).
+    pub token_gens: crate::auth::TokenGenerations,
     pub admin_key: String,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Set when shutdown begins: /readyz answers 503 and new connections are refused.
@@ -65,9 +67,23 @@ impl App {
         if exp <= now_ms() {
             return Err(ApiError::unauthorized());
         }
+        match self.token_gens.get(uid) {
+            Some(known) if known == gen_ => return Ok(uid),
+            // Generations only grow: an older one was revoked.
+            Some(known) if known > gen_ => return Err(ApiError::unauthorized()),
+            _ => {}
+        }
+        let epoch = self.token_gens.epoch();
         match self.store.user(uid).await? {
-            Some(u) if u.token_gen == gen_ => Ok(uid),
-            _ => Err(ApiError::unauthorized()),
+            Some(u) => {
+                self.token_gens.remember(uid, u.token_gen, epoch);
+                if u.token_gen == gen_ {
+                    Ok(uid)
+                } else {
+                    Err(ApiError::unauthorized())
+                }
+            }
+            None => Err(ApiError::unauthorized()),
         }
     }
 

@@ -122,6 +122,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         pipeline,
         hub,
         signer: TokenSigner::new(token_secret.into_bytes()),
+        token_gens: Default::default(),
         admin_key,
         metrics: metrics_handle(),
         draining: AtomicBool::new(false),

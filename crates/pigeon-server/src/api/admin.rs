@@ -97,7 +97,12 @@ pub async fn logout(
         .user(user)
         .await?
         .ok_or_else(|| ApiError::not_found("user"))?;
-    run(&app, Command::Logout { user }).await
+    // Before, so no authentication remembers a generation read while the logout is on its
+    // way; after, so none remembered in between outlives the acknowledgement.
+    app.token_gens.forget(user);
+    let done = run(&app, Command::Logout { user }).await;
+    app.token_gens.forget(user);
+    done
 }
 
 pub async fn get_message(
