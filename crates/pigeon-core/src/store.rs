@@ -114,7 +114,16 @@ pub type KeyPage = (Vec<(UserId, ClientMsgId)>, Option<KeyCursor>);
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
     // The write pipeline.
+    /// Reads what the engine is missing from the tables as they are, without waiting for
+    /// commits that a store applies after acknowledging them (see [`Store::caught_up`]): the
+    /// engine holds in memory whatever such commits touched, and asks for the rest only.
     async fn load(&self, needs: Needs) -> Result<Loaded, StoreError>;
+    /// Waits until the tables hold every commit acknowledged before the call. Every read
+    /// query below does this by itself; [`Store::load`] does not. A store that applies a
+    /// commit before acknowledging it is always caught up.
+    async fn caught_up(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
     async fn commit(&self, changes: Changes) -> Result<(), StoreError>;
     /// Finishes what was committed and releases the store's files; later commits fail.
     /// Called once the pipeline has flushed, at shutdown.

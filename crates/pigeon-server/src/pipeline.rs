@@ -411,12 +411,23 @@ async fn decide(
     let mut closed = false;
     let mut arrived = Vec::new();
     let mut clock = DecisionClock::default();
+    // Set when the engine forgot what it knew (a failed commit, a failed eviction): its next
+    // load first waits until the tables hold every acknowledged batch (see `load`).
+    let mut stale = false;
     loop {
-        // Caches past their bound are dropped only when nothing decided is uncommitted (the
-        // cache is the only place that shows it); until then no new command is taken.
+        // Caches past their bound are dropped only when nothing decided is uncommitted and
+        // the tables hold every batch (until then the cache is the only place that shows
+        // what those batches changed); meanwhile no new command is taken.
         let evicting = engine.caches_full();
         if evicting && open.is_empty() && in_flight == 0 {
-            engine.evict_caches();
+            match store.caught_up().await {
+                Ok(()) => engine.evict_caches(),
+                Err(e) => {
+                    tracing::error!(error = %e, "the tables did not catch up; every cache dropped");
+                    engine.reset();
+                    stale = true;
+                }
+            }
             continue;
         }
         let room = MAX_BATCH.saturating_sub(open.replies.len() + arrived.len());
@@ -437,7 +448,15 @@ async fn decide(
         if !arrived.is_empty()
             && (store_idle_and_empty || arrived.len() >= DECIDE_CHUNK || room == 0)
         {
-            decide_into(&*store, &mut engine, &mut open, &mut arrived, &mut clock).await;
+            decide_into(
+                &*store,
+                &mut engine,
+                &mut stale,
+                &mut open,
+                &mut arrived,
+                &mut clock,
+            )
+            .await;
             continue;
         }
         if closed && open.is_empty() && arrived.is_empty() && in_flight == 0 {
@@ -452,6 +471,7 @@ async fn decide(
                 } else {
                     // The open batch was decided on top of the failed one.
                     engine.reset();
+                    stale = true;
                     open.refuse();
                 }
             }
@@ -488,6 +508,7 @@ async fn decide(
 async fn decide_into(
     store: &dyn Store,
     engine: &mut Engine,
+    stale: &mut bool,
     open: &mut OpenBatch,
     arrived: &mut Vec<Envelope>,
     clock: &mut DecisionClock,
@@ -496,7 +517,7 @@ async fn decide_into(
     let (cmds, replies): (Vec<Command>, Vec<ReplyTo>) =
         arrived.drain(..).map(|e| (e.cmd, e.reply)).unzip();
     let load_started = Instant::now();
-    if let Err(e) = load(store, engine, &cmds).await {
+    if let Err(e) = load(store, engine, stale, &cmds).await {
         tracing::error!(error = %e, commands = cmds.len(), "loading state failed; commands refused");
         answer_all_unavailable(replies);
         if open.is_empty() {
@@ -636,9 +657,16 @@ async fn deliver_batch(
     fast_ok && bulk_ok
 }
 
+/// Loads what `cmds` need that the engine does not hold. `Store::load` reads the tables as
+/// they are, which may still lack journaled batches; that is safe for conversations, their
+/// members and users' inbox heads, which the engine keeps from the batch that changes them
+/// until it evicts, and it evicts only once the tables hold every batch. Messages and
+/// idempotency keys leave the engine's memory once their batch is journaled, and a reset
+/// forgets everything (`stale`): those loads wait for the tables to catch up first.
 async fn load(
     store: &dyn Store,
     engine: &mut Engine,
+    stale: &mut bool,
     cmds: &[Command],
 ) -> Result<(), pigeon_core::StoreError> {
     // A recall needs its message before its conversation: at most a few rounds.
@@ -646,6 +674,10 @@ async fn load(
         let needs = engine.needs(cmds);
         if needs.is_empty() {
             return Ok(());
+        }
+        if *stale || !needs.messages.is_empty() || !needs.dedupe.is_empty() {
+            store.caught_up().await?;
+            *stale = false;
         }
         let started = Instant::now();
         let loaded = store.load(needs.clone()).await?;
@@ -736,7 +768,121 @@ pub fn now_ms() -> i64 {
 mod tests {
     use super::*;
     use pigeon_core::command::{SendCommand, SendTo};
+    use pigeon_proto::views::SendAck;
     use pigeon_proto::{ClientMsgId, ConversationId, MessageKind, UserId};
+
+    /// A pipeline over a real store in a fresh directory, whose engine caches at most
+    /// `max_cached` conversations, with users 1..=12 registered.
+    async fn pipeline_over_store(
+        name: &str,
+        max_cached: usize,
+    ) -> (Arc<dyn Store>, Pipeline, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!(
+            "pigeon-pipeline-{name}-{}-{}",
+            std::process::id(),
+            now_ms()
+        ));
+        let store: Arc<dyn Store> = Arc::new(
+            pigeon_store_sqlite::SqliteStore::open(&dir, pigeon_store_sqlite::Durability::Os)
+                .unwrap(),
+        );
+        let cfg = pigeon_core::engine::EngineConfig {
+            max_cached_conversations: max_cached,
+            ..Default::default()
+        };
+        let (pipeline, _task) =
+            Pipeline::start(store.clone(), Engine::new(cfg, 0), Arc::new(Hub::default()));
+        for n in 1..=12 {
+            pipeline
+                .call(Command::UpsertUser {
+                    user: user(n),
+                    name: format!("u{n}"),
+                    avatar: String::new(),
+                })
+                .await
+                .unwrap();
+        }
+        (store, pipeline, dir)
+    }
+
+    fn user(n: u64) -> UserId {
+        UserId::new(n).unwrap()
+    }
+
+    async fn send(pipeline: &Pipeline, from: u64, to: u64, cmid: &str) -> SendAck {
+        let reply = pipeline
+            .call(Command::Send(SendCommand {
+                sender: user(from),
+                to: SendTo::User(user(to)),
+                client_msg_id: ClientMsgId::parse(cmid).unwrap(),
+                kind: MessageKind::Text,
+                content: "x".into(),
+                extra: serde_json::Value::Null,
+                reply_to: None,
+                mentions: vec![],
+            }))
+            .await
+            .unwrap();
+        match reply {
+            Reply::SendAck(ack) => ack,
+            other => panic!("not an ack: {other:?}"),
+        }
+    }
+
+    /// The engine's caches hold two conversations, so nearly every send evicts them; the
+    /// applier waits 250 ms before writing journaled batches to the tables, so at each
+    /// eviction the tables lag. A conversation loaded again from lagging tables would hand
+    /// out a seq twice: eviction must wait for the tables first.
+    #[tokio::test]
+    async fn seqs_stay_contiguous_when_caches_are_evicted_while_the_tables_lag() {
+        let (store, pipeline, dir) = pipeline_over_store("evict", 2).await;
+        for round in 1..=4u64 {
+            for pair in 0..6u64 {
+                let ack = send(
+                    &pipeline,
+                    2 * pair + 1,
+                    2 * pair + 2,
+                    &format!("r{round}p{pair}"),
+                )
+                .await;
+                assert_eq!(ack.seq, round, "pair {pair}");
+            }
+        }
+        for pair in 0..6u64 {
+            let conv = ConversationId::single(user(2 * pair + 1), user(2 * pair + 2)).unwrap();
+            let query = pigeon_core::store::HistoryQuery {
+                anchor: pigeon_core::store::HistoryAnchor::Newest,
+                limit: 10,
+                from_time: None,
+                to_time: None,
+            };
+            let (msgs, _) = store
+                .history(&conv, user(2 * pair + 1), (1, u64::MAX >> 1), query)
+                .await
+                .unwrap();
+            let seqs: Vec<u64> = msgs.iter().map(|m| m.seq).collect();
+            assert_eq!(seqs, vec![1, 2, 3, 4], "pair {pair}");
+        }
+        store.close().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A send again at once: its batch is journaled (so the engine has let go of its ack)
+    /// but not in the tables yet (the applier waits 250 ms); the idempotency look-up must
+    /// wait for the tables, or the retry becomes a second message.
+    #[tokio::test]
+    async fn a_retry_of_a_send_the_tables_do_not_hold_yet_is_a_duplicate() {
+        let (store, pipeline, dir) = pipeline_over_store("retry", 1000).await;
+        let first = send(&pipeline, 1, 2, "once").await;
+        let again = send(&pipeline, 1, 2, "once").await;
+        assert_eq!(
+            (again.msg_id, again.seq, again.duplicate),
+            (first.msg_id, 1, true)
+        );
+        assert_eq!(send(&pipeline, 1, 2, "next").await.seq, 2);
+        store.close().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
 
     fn send_to(conv: &ConversationId, n: u64) -> Envelope {
         Envelope {

@@ -215,6 +215,15 @@ impl SqliteStore {
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     {
         self.inner.writes.caught_up().await?;
+        self.read_tables(f).await
+    }
+
+    /// Runs `f` on a pooled read connection on the blocking pool, on the tables as they are.
+    async fn read_tables<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    {
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
             let pooled = this.inner.readers.lock().expect("reader pool lock").pop();
@@ -252,10 +261,15 @@ impl SqliteStore {
 #[async_trait]
 impl Store for SqliteStore {
     async fn load(&self, needs: Needs) -> Result<Loaded, StoreError> {
-        // From a read connection, so the next batch loads while the previous one commits; the
-        // engine holds in memory whatever an uncommitted batch changed, and `read` waits for
-        // the tables to hold every committed one.
-        self.read(move |c| write::load(c, &needs)).await
+        // From a read connection, so the next batch loads while the previous one commits,
+        // and without the read barrier: waiting for the applier here would hold up every
+        // decision behind its current transaction (tens of ms under load). The pipeline
+        // calls `caught_up` first whenever the answer could miss a journaled batch.
+        self.read_tables(move |c| write::load(c, &needs)).await
+    }
+
+    async fn caught_up(&self) -> Result<(), StoreError> {
+        self.inner.writes.caught_up().await
     }
 
     async fn commit(&self, changes: Changes) -> Result<(), StoreError> {
