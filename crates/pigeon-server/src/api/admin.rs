@@ -98,11 +98,22 @@ pub async fn logout(
         .await?
         .ok_or_else(|| ApiError::not_found("user"))?;
     // Before, so no authentication remembers a generation read while the logout is on its
-    // way; after, so none remembered in between outlives the acknowledgement.
-    app.token_gens.forget(user);
-    let done = run(&app, Command::Logout { user }).await;
-    app.token_gens.forget(user);
-    done
+    // way; after, so none remembered in between outlives the acknowledgement. In a task of
+    // its own: if the caller goes away, the second `forget` must still follow the logout.
+    let task_app = app.clone();
+    tokio::spawn(async move {
+        task_app.token_gens.forget(user);
+        let done = run(&task_app, Command::Logout { user }).await;
+        task_app.token_gens.forget(user);
+        done
+    })
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            pigeon_proto::ErrorCode::Unavailable,
+            "logout did not finish; retry",
+        )
+    })?
 }
 
 pub async fn get_message(
