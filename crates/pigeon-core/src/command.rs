@@ -23,6 +23,27 @@ pub struct SendCommand {
     pub mentions: Vec<u64>,
 }
 
+impl SendCommand {
+    /// A plain text send: no extra, no reply, no mentions.
+    pub fn text(
+        sender: UserId,
+        to: SendTo,
+        client_msg_id: ClientMsgId,
+        content: impl Into<String>,
+    ) -> Self {
+        SendCommand {
+            sender,
+            to,
+            client_msg_id,
+            kind: MessageKind::Text,
+            content: content.into(),
+            extra: serde_json::Value::Null,
+            reply_to: None,
+            mentions: Vec::new(),
+        }
+    }
+}
+
 /// Which chain a device cursor follows.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum CursorChain {

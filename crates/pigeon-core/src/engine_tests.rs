@@ -36,16 +36,12 @@ fn engine(n: u64, write_max: u64) -> Engine {
 
 /// A text send of "x".
 fn send_cmd(from: u64, to: SendTo, cmid: &str) -> Command {
-    Command::Send(SendCommand {
-        sender: uid(from),
+    Command::Send(SendCommand::text(
+        uid(from),
         to,
-        client_msg_id: ClientMsgId::parse(cmid).unwrap(),
-        kind: MessageKind::Text,
-        content: "x".into(),
-        extra: serde_json::Value::Null,
-        reply_to: None,
-        mentions: vec![],
-    })
+        ClientMsgId::parse(cmid).unwrap(),
+        "x",
+    ))
 }
 
 fn send(

@@ -769,7 +769,7 @@ mod tests {
     use super::*;
     use pigeon_core::command::{SendCommand, SendTo};
     use pigeon_proto::views::SendAck;
-    use pigeon_proto::{ClientMsgId, ConversationId, MessageKind, UserId};
+    use pigeon_proto::{ClientMsgId, ConversationId, UserId};
 
     /// A pipeline over a real store in a fresh directory, whose engine caches at most
     /// `max_cached` conversations, with users 1..=12 registered.
@@ -809,20 +809,19 @@ mod tests {
         UserId::new(n).unwrap()
     }
 
+    /// A text send of "x".
+    fn text_send(sender: UserId, to: SendTo, cmid: &str) -> Command {
+        Command::Send(SendCommand::text(
+            sender,
+            to,
+            ClientMsgId::parse(cmid).unwrap(),
+            "x",
+        ))
+    }
+
     async fn send(pipeline: &Pipeline, from: u64, to: u64, cmid: &str) -> SendAck {
-        let reply = pipeline
-            .call(Command::Send(SendCommand {
-                sender: user(from),
-                to: SendTo::User(user(to)),
-                client_msg_id: ClientMsgId::parse(cmid).unwrap(),
-                kind: MessageKind::Text,
-                content: "x".into(),
-                extra: serde_json::Value::Null,
-                reply_to: None,
-                mentions: vec![],
-            }))
-            .await
-            .unwrap();
+        let cmd = text_send(user(from), SendTo::User(user(to)), cmid);
+        let reply = pipeline.call(cmd).await.unwrap();
         match reply {
             Reply::SendAck(ack) => ack,
             other => panic!("not an ack: {other:?}"),
@@ -886,16 +885,11 @@ mod tests {
 
     fn send_to(conv: &ConversationId, n: u64) -> Envelope {
         Envelope {
-            cmd: Command::Send(SendCommand {
-                sender: UserId::new(1).unwrap(),
-                to: SendTo::Conversation(conv.clone()),
-                client_msg_id: ClientMsgId::parse(&format!("m{n}")).unwrap(),
-                kind: MessageKind::Text,
-                content: "x".into(),
-                extra: serde_json::Value::Null,
-                reply_to: None,
-                mentions: vec![],
-            }),
+            cmd: text_send(
+                user(1),
+                SendTo::Conversation(conv.clone()),
+                &format!("m{n}"),
+            ),
             reply: ReplyTo::Nobody,
         }
     }
