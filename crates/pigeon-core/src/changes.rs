@@ -80,7 +80,8 @@ pub struct MessageUpdate {
     pub recalled: Option<(i64, UserId)>,
 }
 
-/// Everything one batch writes. Committed in one transaction or not at all.
+/// Everything one batch writes. Committed as one unit or not at all (in the embedded store,
+/// one journal record; the tables get it later, with other batches).
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Changes {
     pub users: Vec<(UserId, String, String, i64)>,

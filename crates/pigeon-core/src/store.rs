@@ -116,7 +116,9 @@ pub trait Store: Send + Sync + 'static {
     // The write pipeline.
     /// Reads what the engine is missing from the tables as they are, without waiting for
     /// commits that a store applies after acknowledging them (see [`Store::caught_up`]): the
-    /// engine holds in memory whatever such commits touched, and asks for the rest only.
+    /// engine holds in memory the conversations, members, inbox heads and users such commits
+    /// touched; for messages and idempotency keys, or after losing its memory, the caller
+    /// waits with `caught_up` first.
     async fn load(&self, needs: Needs) -> Result<Loaded, StoreError>;
     /// Waits until the tables hold every commit acknowledged before the call. Every read
     /// query below does this by itself; [`Store::load`] does not. A store that applies a

@@ -74,16 +74,16 @@ impl App {
             _ => {}
         }
         let epoch = self.token_gens.epoch();
-        match self.store.user(uid).await? {
-            Some(u) => {
-                self.token_gens.remember(uid, u.token_gen, epoch);
-                if u.token_gen == gen_ {
-                    Ok(uid)
-                } else {
-                    Err(ApiError::unauthorized())
-                }
-            }
-            None => Err(ApiError::unauthorized()),
+        let u = self
+            .store
+            .user(uid)
+            .await?
+            .ok_or_else(ApiError::unauthorized)?;
+        self.token_gens.remember(uid, u.token_gen, epoch);
+        if u.token_gen == gen_ {
+            Ok(uid)
+        } else {
+            Err(ApiError::unauthorized())
         }
     }
 

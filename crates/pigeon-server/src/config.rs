@@ -145,7 +145,7 @@ impl Default for Config {
             max_content_bytes: 65_536,
             heartbeat_ms: 30_000,
             durability: DurabilityMode::Fsync,
-            journal_backlog_kib: 65_536,
+            journal_backlog_kib: pigeon_store_sqlite::DEFAULT_BACKLOG_BYTES / 1024,
             max_connections: 100_000,
             max_token_ttl_secs: 30 * 86_400,
             offline_webhook_url: None,

@@ -394,8 +394,8 @@ struct Outcome {
 }
 
 /// Decides batches while the previous one commits. Owns the engine: takes commands as they
-/// come, loads what the engine needs (from a read connection, so loading never waits for a
-/// commit), applies them to the open batch, and hands the batch to the committer as soon as
+/// come, loads what the engine needs (from a read connection, so loading does not wait for
+/// the commit in flight; see `load` for when it waits for the tables), applies them to the open batch, and hands the batch to the committer as soon as
 /// the committer is free. One batch commits at a time, and the next is handed over only once
 /// the committer has said how the previous one ended; so when a commit fails, the only batch
 /// decided on top of it is the open one, which is refused with it.
@@ -536,7 +536,7 @@ async fn decide_into(
     }
 }
 
-/// Commits decided batches in order, one transaction each, and only then answers and
+/// Commits decided batches in order, each as one unit (`Store::commit`), and only then answers and
 /// pushes. Tells the decider of every batch whether it committed.
 async fn commit(
     store: Arc<dyn Store>,

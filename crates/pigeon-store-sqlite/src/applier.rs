@@ -17,7 +17,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// Most batches applied in one transaction (a longer one holds up nothing but the next).
+/// Most batches applied in one transaction (a longer one holds up readers waiting for the
+/// tables, `meta_set`, and commits waiting for backlog room).
 const MAX_APPLY_BATCHES: usize = 512;
 /// How long a journaled batch may wait for the tables while nobody reads. Waiting is the
 /// point: a transaction writes each B-tree page it touched once, so a page shared by the
@@ -267,10 +268,7 @@ pub fn apply<'a>(
     let tx = conn.transaction()?;
     let batches: Vec<&Changes> = batches.collect();
     write::apply(&tx, &batches)?;
-    tx.execute(
-        "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-        (APPLIED_KEY, last.to_string()),
-    )?;
+    write::meta_set(&tx, APPLIED_KEY, &last.to_string())?;
     tx.commit()
 }
 

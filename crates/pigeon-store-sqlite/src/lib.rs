@@ -32,9 +32,11 @@ pub use schema::newest_version as schema_version;
 /// How hard a commit tries to reach the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
-    /// fsync at every commit (`synchronous=FULL`): an acknowledged message survives power loss.
+    /// fdatasync the journal at every commit, and the tables' transactions
+    /// (`synchronous=FULL`): an acknowledged message survives power loss.
     Fsync,
-    /// Let the OS flush (`synchronous=OFF`): survives a process crash, not a power loss.
+    /// Let the OS flush the journal and the tables (`synchronous=OFF`): survives a process
+    /// crash, not a power loss.
     Os,
 }
 
@@ -79,7 +81,7 @@ const MAX_IDLE_READERS: usize = 8;
 /// Journaled bytes the tables may lag behind before sends wait: what bounds the memory the
 /// unapplied batches hold.
 pub const DEFAULT_BACKLOG_BYTES: usize = 64 << 20;
-/// WAL pages after which a commit checkpoints by itself (~160 MB at 4 KiB): a backstop for
+/// WAL pages after which the applier's transaction checkpoints by itself (~160 MB at 4 KiB): a backstop for
 /// when the background checkpointer falls behind. Under a steady load the WAL file grows to
 /// about this size and is then reused.
 const WAL_AUTOCHECKPOINT_PAGES: i64 = 40_000;
@@ -163,9 +165,10 @@ impl SqliteStore {
         Ok(store)
     }
 
-    /// Checkpoints the WAL from its own connection and thread, so that commits rarely do:
-    /// SQLite's automatic checkpoint runs inside a commit and stalls every sender behind it
-    /// (it was ~6 % of the server's time and the longest commits under load). Every 100 ms a
+    /// Checkpoints the WAL from its own connection and thread, so that the applier rarely
+    /// does: SQLite's automatic checkpoint runs inside a transaction and stalls it (when
+    /// transactions were the commits, it was ~6 % of the server's time and the longest
+    /// commits under load). Every 100 ms a
     /// PASSIVE checkpoint copies what it can without blocking anyone; the writer's automatic
     /// checkpoint stays as a backstop at [`WAL_AUTOCHECKPOINT_PAGES`]. (A RESTART or TRUNCATE
     /// checkpoint from here, to keep the WAL small under a steady load, was tried: it blocks
@@ -327,11 +330,7 @@ impl Store for SqliteStore {
 
     async fn meta_set(&self, key: &str, value: &str) -> Result<(), StoreError> {
         let (key, value) = (key.to_owned(), value.to_owned());
-        self.write(move |c| {
-            c.execute("INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
-                .map(|_| ())
-        })
-        .await
+        self.write(move |c| write::meta_set(c, &key, &value)).await
     }
 
     async fn user(&self, user: UserId) -> Result<Option<UserRecord>, StoreError> {
@@ -475,6 +474,12 @@ mod tests {
         user.map(|u| u.name)
     }
 
+    /// The applied lsn the tables of the (closed) store in `dir` record.
+    fn applied_lsn_in(dir: &Path) -> u64 {
+        let c = Connection::open(dir.join("pigeon.db")).unwrap();
+        applier::applied_lsn(&c).unwrap()
+    }
+
     fn user_named(id: u64, name: &str) -> Changes {
         Changes {
             users: vec![(UserId::new(id).unwrap(), name.into(), String::new(), 1)],
@@ -503,10 +508,7 @@ mod tests {
         store.commit(user_named(1, "applied")).await.unwrap();
         drop(store);
         // A crash between the journal and the tables: records the tables never got.
-        let applied = {
-            let c = Connection::open(dir.join("pigeon.db")).unwrap();
-            applier::applied_lsn(&c).unwrap()
-        };
+        let applied = applied_lsn_in(&dir);
         assert_eq!(applied, 1, "closing applied what was queued");
         {
             let (mut journal, pending) =
@@ -524,14 +526,19 @@ mod tests {
             Some("renamed"),
             "applied in order"
         );
-        // New batches follow the replayed ones, and a second open replays nothing twice.
+        // New batches follow the replayed ones, and a second open replays nothing twice: a
+        // logout (which adds one to the generation) is counted once.
         store.commit(user_named(3, "after")).await.unwrap();
+        let logout = Changes {
+            logouts: vec![UserId::new(3).unwrap()],
+            ..Changes::default()
+        };
+        store.commit(logout).await.unwrap();
         drop(store);
-        let c = Connection::open(dir.join("pigeon.db")).unwrap();
-        assert_eq!(applier::applied_lsn(&c).unwrap(), 4);
-        drop(c);
+        assert_eq!(applied_lsn_in(&dir), 5);
         let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
-        assert_eq!(user_name(&store, 3).await.as_deref(), Some("after"));
+        let user = store.user(UserId::new(3).unwrap()).await.unwrap().unwrap();
+        assert_eq!((user.name.as_str(), user.token_gen), ("after", 1));
         drop(store);
         std::fs::remove_dir_all(dir).unwrap();
     }

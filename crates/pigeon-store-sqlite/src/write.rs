@@ -134,6 +134,15 @@ pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
     Ok(out)
 }
 
+/// Sets `key` in the `meta` table.
+pub fn meta_set(c: &Connection, key: &str, value: &str) -> rusqlite::Result<()> {
+    c.execute(
+        "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (key, value),
+    )
+    .map(|_| ())
+}
+
 /// Writes several batches' changes, in order, inside `tx` (the applier puts many batches in
 /// one transaction). A conversation's row, a membership and a user's profile are written as
 /// whole rows, so only the last of each across the batches is written; everything else is

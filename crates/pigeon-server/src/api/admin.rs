@@ -97,12 +97,10 @@ pub async fn logout(
         .user(user)
         .await?
         .ok_or_else(|| ApiError::not_found("user"))?;
-    // Before, so no authentication remembers a generation read while the logout is on its
-    // way; after, so none remembered in between outlives the acknowledgement. In a task of
-    // its own: if the caller goes away, the second `forget` must still follow the logout.
+    // Once acknowledged, no generation remembered before may outlive the logout. In a task
+    // of its own: if the caller goes away, the `forget` must still follow the logout.
     let task_app = app.clone();
     tokio::spawn(async move {
-        task_app.token_gens.forget(user);
         let done = run(&task_app, Command::Logout { user }).await;
         task_app.token_gens.forget(user);
         done
