@@ -502,6 +502,31 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_user_created_and_renamed_in_one_apply_keeps_its_creation_time() {
+        let dir = temp_dir("rename");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        let user = |name: &str, at| Changes {
+            users: vec![(UserId::new(1).unwrap(), name.into(), String::new(), at)],
+            ..Changes::default()
+        };
+        // Both wait for the applier's quarter second, and go in one transaction.
+        store.commit(user("first", 10)).await.unwrap();
+        store.commit(user("second", 20)).await.unwrap();
+        drop(store);
+        let c = Connection::open(dir.join("pigeon.db")).unwrap();
+        let row: (String, i64, i64) = c
+            .query_row(
+                "SELECT name, created_at, updated_at FROM users WHERE user_id = 1",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!(row, ("second".to_string(), 10, 20));
+        drop(c);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test]
     async fn batches_in_the_journal_but_not_in_the_tables_are_applied_at_open() {
         let dir = temp_dir("replay");
         let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();

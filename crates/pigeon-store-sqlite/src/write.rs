@@ -144,17 +144,14 @@ pub fn meta_set(c: &Connection, key: &str, value: &str) -> rusqlite::Result<()> 
 }
 
 /// Writes several batches' changes, in order, inside `tx` (the applier puts many batches in
-/// one transaction). A conversation's row, a membership and a user's profile are written as
-/// whole rows, so only the last of each across the batches is written; everything else is
-/// written as it comes (inserts of distinct rows, and updates that depend on order, in order).
+/// one transaction). A conversation's row and a membership are written as whole rows, so
+/// only the last of each across the batches is written; everything else is written as it
+/// comes, table by table (inserts of distinct rows, and updates that depend on order, in
+/// order: a user's upsert keeps the `created_at` of its first).
 pub fn apply(tx: &Transaction, batches: &[&Changes]) -> rusqlite::Result<()> {
-    let mut users: HashMap<UserId, &(UserId, String, String, i64)> = HashMap::new();
     let mut conversations: HashMap<&ConversationId, &ConversationRow> = HashMap::new();
     let mut members: HashMap<&(ConversationId, UserId), &MemberRow> = HashMap::new();
     for ch in batches {
-        for u in &ch.users {
-            users.insert(u.0, u);
-        }
         for s in &ch.conversations {
             conversations.insert(&s.id, s);
         }
@@ -168,7 +165,7 @@ pub fn apply(tx: &Transaction, batches: &[&Changes]) -> rusqlite::Result<()> {
             "INSERT INTO users (user_id, name, avatar, token_gen, created_at, updated_at) VALUES (?1, ?2, ?3, 0, ?4, ?4) \
              ON CONFLICT (user_id) DO UPDATE SET name = excluded.name, avatar = excluded.avatar, updated_at = excluded.updated_at",
         )?;
-        for (u, name, avatar, now) in users.into_values() {
+        for (u, name, avatar, now) in every().flat_map(|ch| &ch.users) {
             st.execute(params![u.get() as i64, name, avatar, now])?;
         }
         let mut st =
