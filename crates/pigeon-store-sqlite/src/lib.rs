@@ -481,8 +481,13 @@ mod tests {
     }
 
     fn user_named(id: u64, name: &str) -> Changes {
+        user_named_at(id, name, 1)
+    }
+
+    /// A batch that creates or renames user `id` at time `at`.
+    fn user_named_at(id: u64, name: &str, at: i64) -> Changes {
         Changes {
-            users: vec![(UserId::new(id).unwrap(), name.into(), String::new(), 1)],
+            users: vec![(UserId::new(id).unwrap(), name.into(), String::new(), at)],
             ..Changes::default()
         }
     }
@@ -505,13 +510,9 @@ mod tests {
     async fn a_user_created_and_renamed_in_one_apply_keeps_its_creation_time() {
         let dir = temp_dir("rename");
         let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
-        let user = |name: &str, at| Changes {
-            users: vec![(UserId::new(1).unwrap(), name.into(), String::new(), at)],
-            ..Changes::default()
-        };
         // Both wait for the applier's quarter second, and go in one transaction.
-        store.commit(user("first", 10)).await.unwrap();
-        store.commit(user("second", 20)).await.unwrap();
+        store.commit(user_named_at(1, "first", 10)).await.unwrap();
+        store.commit(user_named_at(1, "second", 20)).await.unwrap();
         drop(store);
         let c = Connection::open(dir.join("pigeon.db")).unwrap();
         let row: (String, i64, i64) = c
