@@ -8,6 +8,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod hub;
+pub mod lag;
 pub mod limits;
 pub mod openapi;
 pub mod pipeline;

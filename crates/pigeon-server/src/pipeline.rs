@@ -70,6 +70,12 @@ pub struct Pipeline {
 /// last one may go past it (a batch always takes at least one). Small enough that a batch carrying a flood still commits in a few
 /// milliseconds, so single chats waiting behind it are not held up long.
 pub const BULK_BUDGET: u64 = 400;
+/// How long after the fast tier's last send the bulk tier still waits for the runtime to
+/// keep time (see `decide`).
+pub const FAST_SENDS_RECENT: std::time::Duration = std::time::Duration::from_secs(1);
+/// The longest bulk work waits for the gate: a server kept busy by single chats alone still
+/// moves a flood, one batch's share at least this often.
+pub const BULK_MAX_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 /// The bulk work a batch that also carries fast commands may take: a single chat's own
 /// commit stays light, and a flood still moves while fast traffic never stops.
 pub const BULK_BUDGET_BESIDE_FAST: u64 = 100;
@@ -332,6 +338,11 @@ impl Queues {
     fn cost(&self, cmd: &Command) -> u64 {
         large_cost(&self.large, cmd).unwrap_or(1)
     }
+
+    /// Whether `cmd` is a send the fast tier takes (not into a large conversation).
+    fn is_fast_send(&self, cmd: &Command) -> bool {
+        matches!(cmd, Command::Send(_)) && large_cost(&self.large, cmd).is_none()
+    }
 }
 
 /// What one batch has taken from each queue.
@@ -414,6 +425,13 @@ async fn decide(
     // Set when the engine forgot what it knew (a failed commit, a failed eviction): its next
     // load first waits until the tables hold every acknowledged batch (see `load`).
     let mut stale = false;
+    let mut gate = crate::lag::Gate::start();
+    // When a send of the fast tier (a single chat, a small group) was last taken: while
+    // they come, bulk work waits for a gate that is open only while the runtime keeps
+    // time. Alone, a flood takes what it can.
+    let mut fast_send_at: Option<Instant> = None;
+    // Since when bulk work has been waiting for the gate: never longer than BULK_MAX_WAIT.
+    let mut bulk_held_since: Option<Instant> = None;
     loop {
         // Caches past their bound are dropped only when nothing decided is uncommitted and
         // the tables hold every batch (until then the cache is the only place that shows
@@ -433,8 +451,21 @@ async fn decide(
         let room = MAX_BATCH.saturating_sub(open.replies.len() + arrived.len());
         let taking = !closed && !evicting && room > 0;
         // Bulk work joins a batch only when it is about to go (the store is idle), once it
-        // is known whether fast commands are in it (see BULK_BUDGET_BESIDE_FAST).
-        let bulk = in_flight == 0;
+        // is known whether fast commands are in it (see BULK_BUDGET_BESIDE_FAST), and,
+        // while single chats and small groups are sending, only while the runtime keeps
+        // time (`lag::Gate`): a flood then gets the CPU they leave rather than delaying
+        // them.
+        let gated = in_flight == 0
+            && fast_send_at.is_some_and(|t| t.elapsed() < FAST_SENDS_RECENT)
+            && !queues.bulk.is_empty()
+            && !gate.is_open()
+            && bulk_held_since.is_none_or(|t| t.elapsed() < BULK_MAX_WAIT);
+        bulk_held_since = match (gated, bulk_held_since) {
+            (true, None) => Some(Instant::now()),
+            (true, since) => since,
+            (false, _) => None,
+        };
+        let bulk = in_flight == 0 && !gated;
         if taking {
             queues.take_ready(room, bulk, &mut open.share, &mut arrived);
         }
@@ -448,6 +479,9 @@ async fn decide(
         if !arrived.is_empty()
             && (store_idle_and_empty || arrived.len() >= DECIDE_CHUNK || room == 0)
         {
+            if arrived.iter().any(|e| queues.is_fast_send(&e.cmd)) {
+                fast_send_at = Some(Instant::now());
+            }
             decide_into(
                 &*store,
                 &mut engine,
@@ -499,6 +533,9 @@ async fn decide(
                 Some(e) => arrived.push(e),
                 None => closed = true,
             },
+            _ = gate.opened(
+                bulk_held_since.map_or_else(tokio::time::Instant::now, |t| (t + BULK_MAX_WAIT).into()),
+            ), if gated && taking => {}
         }
     }
 }

@@ -101,10 +101,22 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
                 }
             }
         })
-        .collect();
-    let conns = driver::connect_all(&target.ws_base(), specs, 64).await?;
+        .collect::<Vec<_>>();
+    // The single chats are what is measured: they run apart from the flood's connections
+    // (see `ProbeRuntime`).
+    let mut specs = specs;
+    let flood_specs = specs.split_off(users);
+    let probe = driver::ProbeRuntime::new()?;
+    let single_conns = probe.connect_all(&target.ws_base(), specs).await?;
+    let flood_conns = driver::connect_all(&target.ws_base(), flood_specs, 64).await?;
     let shared = Shared::new();
-    let run = Run::start(conns, shared.clone());
+    let run = Run::start_on(
+        vec![
+            (probe.handle(), single_conns),
+            (tokio::runtime::Handle::current(), flood_conns),
+        ],
+        shared.clone(),
+    );
     let progress = driver::progress(shared.clone());
     let phase = Duration::from_secs_f64(a.duration);
 
