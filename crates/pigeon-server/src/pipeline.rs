@@ -73,8 +73,8 @@ pub const BULK_BUDGET: u64 = 400;
 /// How long after the fast tier's last send the bulk tier still waits for the runtime to
 /// keep time (see `decide`).
 pub const FAST_SENDS_RECENT: std::time::Duration = std::time::Duration::from_secs(1);
-/// The longest bulk work waits for the gate: a server kept busy by single chats alone still
-/// moves a flood, one batch's share at least this often.
+/// The longest bulk work waits for the gate: past this it is taken as if the gate were open
+/// until a batch has taken some, so a server kept busy by single chats still moves a flood.
 pub const BULK_MAX_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 /// The bulk work a batch that also carries fast commands may take: a single chat's own
 /// commit stays light, and a flood still moves while fast traffic never stops.
@@ -430,7 +430,9 @@ async fn decide(
     // they come, bulk work waits for a gate that is open only while the runtime keeps
     // time. Alone, a flood takes what it can.
     let mut fast_send_at: Option<Instant> = None;
-    // Since when bulk work has been waiting for the gate: never longer than BULK_MAX_WAIT.
+    // Since when bulk work has been waiting for the gate; it is let in past a shut gate
+    // once this is BULK_MAX_WAIT old, and the wait ends only when a batch takes bulk work
+    // (or none waits, or no fast sends came lately).
     let mut bulk_held_since: Option<Instant> = None;
     loop {
         // Caches past their bound are dropped only when nothing decided is uncommitted and
@@ -455,16 +457,18 @@ async fn decide(
         // while single chats and small groups are sending, only while the runtime keeps
         // time (`lag::Gate`): a flood then gets the CPU they leave rather than delaying
         // them.
+        let gate_applies = fast_send_at.is_some_and(|t| t.elapsed() < FAST_SENDS_RECENT)
+            && !queues.bulk.is_empty();
+        if !gate_applies {
+            bulk_held_since = None;
+        }
         let gated = in_flight == 0
-            && fast_send_at.is_some_and(|t| t.elapsed() < FAST_SENDS_RECENT)
-            && !queues.bulk.is_empty()
+            && gate_applies
             && !gate.is_open()
             && bulk_held_since.is_none_or(|t| t.elapsed() < BULK_MAX_WAIT);
-        bulk_held_since = match (gated, bulk_held_since) {
-            (true, None) => Some(Instant::now()),
-            (true, since) => since,
-            (false, _) => None,
-        };
+        if gated && bulk_held_since.is_none() {
+            bulk_held_since = Some(Instant::now());
+        }
         let bulk = in_flight == 0 && !gated;
         if taking {
             queues.take_ready(room, bulk, &mut open.share, &mut arrived);
@@ -519,6 +523,9 @@ async fn decide(
                     return;
                 };
                 let mut b = std::mem::take(&mut open);
+                if b.share.bulk_spent > 0 {
+                    bulk_held_since = None;
+                }
                 let batch = engine.seal(&mut b.changes);
                 permit.send(Decided {
                     batch,

@@ -393,8 +393,8 @@ pub static PROBE_PRIORITY_REFUSED: std::sync::atomic::AtomicBool =
 
 impl Drop for ProbeRuntime {
     fn drop(&mut self) {
-        // A runtime dropped inside another one's task would block it; this one's tasks are
-        // done by the time the scenario drops it.
+        // Dropped inside another runtime's task, a runtime panics (its drop would block);
+        // this one's tasks are done by the time the scenario drops it.
         if let Some(rt) = self.0.take() {
             rt.shutdown_background();
         }

@@ -192,6 +192,14 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
     );
     rep.num("server_cpu_percent_quiet", cpu1);
     rep.num("server_cpu_percent_flood", cpu2);
+    rep.set(
+        "single_chat_runtime",
+        if driver::PROBE_PRIORITY_REFUSED.load(Relaxed) {
+            "own thread, normal priority (nice -10 refused)"
+        } else {
+            "own thread, nice -10"
+        },
+    );
     rep.set("retried", retried);
     Ok(rep.finish(&out.checks, a.common.json.as_deref()))
 }
