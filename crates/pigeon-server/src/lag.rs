@@ -49,6 +49,16 @@ impl Gate {
         Gate { open, asked }
     }
 
+    /// A gate with no probe, open or shut as `switch` says (tests of what waits for it).
+    pub fn manual(open: bool) -> (Gate, watch::Sender<bool>) {
+        let (switch, rx) = watch::channel(open);
+        let asked = Arc::new(Asked {
+            since_last_look: AtomicBool::new(false),
+            wake: Notify::new(),
+        });
+        (Gate { open: rx, asked }, switch)
+    }
+
     /// Whether the runtime has kept time lately. Asking keeps the probe measuring.
     pub fn is_open(&self) -> bool {
         if !self.asked.since_last_look.swap(true, Ordering::AcqRel) {

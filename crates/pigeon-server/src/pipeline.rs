@@ -139,6 +139,16 @@ impl Pipeline {
         engine: Engine,
         hub: Arc<Hub>,
     ) -> (Pipeline, tokio::task::JoinHandle<()>) {
+        Pipeline::start_with_gate(store, engine, hub, None)
+    }
+
+    /// [`Pipeline::start`] with the bulk tier's gate given (tests); `None` starts the probe.
+    fn start_with_gate(
+        store: Arc<dyn Store>,
+        engine: Engine,
+        hub: Arc<Hub>,
+        gate: Option<crate::lag::Gate>,
+    ) -> (Pipeline, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let (bulk_in, bulk_rx_in) = mpsc::channel(QUEUE_CAPACITY);
         let large = LargeConversations::default();
@@ -157,6 +167,7 @@ impl Pipeline {
             fast_closed: false,
             bulk_closed: false,
             large: large.clone(),
+            parked: None,
         };
         let (decided_tx, decided_rx) = mpsc::channel(1);
         let (outcome_tx, outcome_rx) = mpsc::unbounded_channel();
@@ -166,6 +177,7 @@ impl Pipeline {
             queues,
             decided_tx,
             outcome_rx,
+            gate,
         ));
         let handle = tokio::spawn(commit(
             store,
@@ -266,6 +278,9 @@ struct Queues {
     fast_closed: bool,
     bulk_closed: bool,
     large: LargeConversations,
+    /// A bulk command received while bulk work could not be taken (it was received to learn
+    /// that bulk work waits); taken first once bulk work can be.
+    parked: Option<Envelope>,
 }
 
 impl Queues {
@@ -294,42 +309,61 @@ impl Queues {
             return;
         }
         while into.len() < limit && batch.bulk_left() {
-            match self.bulk.try_recv() {
-                Ok(e) => {
-                    batch.bulk_spent += self.cost(&e.cmd);
-                    into.push(e);
-                }
-                Err(_) => break,
-            }
+            let e = match self.parked.take() {
+                Some(e) => e,
+                None => match self.bulk.try_recv() {
+                    Ok(e) => e,
+                    Err(_) => break,
+                },
+            };
+            batch.bulk_spent += self.cost(&e.cmd);
+            into.push(e);
         }
     }
 
-    /// Waits for the next command, fast queue first, the bulk queue only when `bulk` allows
-    /// and the batch's bulk budget lasts; `None` once both queues are closed (and empty).
-    async fn next(&mut self, bulk: bool, batch: &mut BatchShare) -> Option<Envelope> {
+    /// Whether bulk work waits (queued, or parked by [`Queues::next`]).
+    fn bulk_waiting(&self) -> bool {
+        self.parked.is_some() || !self.bulk.is_empty()
+    }
+
+    /// Waits for the next command, fast queue first, bulk work only when `bulk` allows and
+    /// the batch's bulk budget lasts. A bulk command that arrives while bulk work may not be
+    /// taken, or may not be taken as it arrives (`bulk_on_arrival`), is parked and reported
+    /// ([`Next::BulkWaiting`]): the caller learns that bulk work waits (and asks the gate)
+    /// before it is taken.
+    async fn next(&mut self, bulk: bool, bulk_on_arrival: bool, batch: &mut BatchShare) -> Next {
         loop {
-            if self.fast_closed && self.bulk_closed {
-                return None;
+            let may_take = bulk && batch.bulk_left();
+            if may_take && let Some(e) = self.parked.take() {
+                batch.bulk_spent += self.cost(&e.cmd);
+                return Next::Command(e);
             }
-            let bulk_open = bulk && !self.bulk_closed && batch.bulk_left();
+            if self.fast_closed && self.bulk_closed && self.parked.is_none() {
+                return Next::Closed;
+            }
+            let bulk_open = !self.bulk_closed && self.parked.is_none();
             tokio::select! {
                 biased;
                 e = self.fast.recv(), if !self.fast_closed => match e {
                     Some(e) => {
                         batch.fast += 1;
-                        return Some(e);
+                        return Next::Command(e);
                     }
                     None => self.fast_closed = true,
                 },
                 e = self.bulk.recv(), if bulk_open => match e {
-                    Some(e) => {
+                    Some(e) if may_take && bulk_on_arrival => {
                         batch.bulk_spent += self.cost(&e.cmd);
-                        return Some(e);
+                        return Next::Command(e);
+                    }
+                    Some(e) => {
+                        self.parked = Some(e);
+                        return Next::BulkWaiting;
                     }
                     None => self.bulk_closed = true,
                 },
-                // Only sends into large conversations are left and this batch has had its
-                // share: the next batch takes them.
+                // Only parked bulk work is left, and it may not be taken now: the caller's
+                // other events (a commit's end, the gate) decide when it may.
                 else => std::future::pending::<()>().await,
             }
         }
@@ -343,6 +377,15 @@ impl Queues {
     fn is_fast_send(&self, cmd: &Command) -> bool {
         matches!(cmd, Command::Send(_)) && large_cost(&self.large, cmd).is_none()
     }
+}
+
+/// What [`Queues::next`] found.
+enum Next {
+    Command(Envelope),
+    /// Bulk work arrived that may not be taken now (it is parked).
+    BulkWaiting,
+    /// Both queues are closed and nothing is parked.
+    Closed,
 }
 
 /// What one batch has taken from each queue.
@@ -416,6 +459,7 @@ async fn decide(
     mut queues: Queues,
     to_commit: mpsc::Sender<Decided>,
     mut outcomes: mpsc::UnboundedReceiver<Outcome>,
+    gate: Option<crate::lag::Gate>,
 ) {
     let mut open = OpenBatch::default();
     let mut in_flight = 0usize;
@@ -425,7 +469,7 @@ async fn decide(
     // Set when the engine forgot what it knew (a failed commit, a failed eviction): its next
     // load first waits until the tables hold every acknowledged batch (see `load`).
     let mut stale = false;
-    let mut gate = crate::lag::Gate::start();
+    let mut gate = gate.unwrap_or_else(crate::lag::Gate::start);
     // When a send of the fast tier (a single chat, a small group) was last taken: while
     // they come, bulk work waits for a gate that is open only while the runtime keeps
     // time. Alone, a flood takes what it can.
@@ -457,8 +501,8 @@ async fn decide(
         // while single chats and small groups are sending, only while the runtime keeps
         // time (`lag::Gate`): a flood then gets the CPU they leave rather than delaying
         // them.
-        let gate_applies = fast_send_at.is_some_and(|t| t.elapsed() < FAST_SENDS_RECENT)
-            && !queues.bulk.is_empty();
+        let fast_recent = fast_send_at.is_some_and(|t| t.elapsed() < FAST_SENDS_RECENT);
+        let gate_applies = fast_recent && queues.bulk_waiting();
         if !gate_applies {
             bulk_held_since = None;
         }
@@ -536,9 +580,12 @@ async fn decide(
                 });
                 in_flight += 1;
             }
-            e = queues.next(bulk, &mut open.share), if taking => match e {
-                Some(e) => arrived.push(e),
-                None => closed = true,
+            // While fast sends come, bulk work arriving now is parked, so that the gate is
+            // asked (above) before it is taken.
+            e = queues.next(bulk, !fast_recent, &mut open.share), if taking => match e {
+                Next::Command(e) => arrived.push(e),
+                Next::BulkWaiting => {}
+                Next::Closed => closed = true,
             },
             _ = gate.opened(
                 bulk_held_since.map_or_else(tokio::time::Instant::now, |t| (t + BULK_MAX_WAIT).into()),
@@ -814,12 +861,24 @@ mod tests {
     use pigeon_core::command::{SendCommand, SendTo};
     use pigeon_proto::views::SendAck;
     use pigeon_proto::{ClientMsgId, ConversationId, UserId};
+    use std::time::Duration;
 
     /// A pipeline over a real store in a fresh directory, whose engine caches at most
     /// `max_cached` conversations, with users 1..=12 registered.
     async fn pipeline_over_store(
         name: &str,
         max_cached: usize,
+    ) -> (Arc<dyn Store>, Pipeline, std::path::PathBuf) {
+        pipeline_over_store_gated(name, max_cached, 12, None).await
+    }
+
+    /// A pipeline over a real store in a fresh directory, with users 1..=`users`
+    /// registered and the bulk tier's gate given (`None`: the probe's).
+    async fn pipeline_over_store_gated(
+        name: &str,
+        max_cached: usize,
+        users: u64,
+        gate: Option<crate::lag::Gate>,
     ) -> (Arc<dyn Store>, Pipeline, std::path::PathBuf) {
         let dir = std::env::temp_dir().join(format!(
             "pigeon-pipeline-{name}-{}-{}",
@@ -834,9 +893,13 @@ mod tests {
             max_cached_conversations: max_cached,
             ..Default::default()
         };
-        let (pipeline, _task) =
-            Pipeline::start(store.clone(), Engine::new(cfg, 0), Arc::new(Hub::default()));
-        for n in 1..=12 {
+        let (pipeline, _task) = Pipeline::start_with_gate(
+            store.clone(),
+            Engine::new(cfg, 0),
+            Arc::new(Hub::default()),
+            gate,
+        );
+        for n in 1..=users {
             pipeline
                 .call(Command::UpsertUser {
                     user: user(n),
@@ -870,6 +933,94 @@ mod tests {
             Reply::SendAck(ack) => ack,
             other => panic!("not an ack: {other:?}"),
         }
+    }
+
+    /// A group of 120 (users 1..=120) that has had a send, so its sends go to the bulk tier.
+    async fn large_group(pipeline: &Pipeline) -> ConversationId {
+        let reply = pipeline
+            .call(Command::CreateGroup {
+                owner: user(1),
+                name: "flood".into(),
+                members: (2..=120).map(user).collect(),
+            })
+            .await
+            .unwrap();
+        let Reply::Conversation(group) = reply else {
+            panic!("not a conversation: {reply:?}");
+        };
+        pipeline
+            .call(text_send(
+                user(1),
+                SendTo::Conversation(group.clone()),
+                "g-0",
+            ))
+            .await
+            .unwrap();
+        assert!(
+            pipeline.large.read().unwrap().contains_key(&group),
+            "a send to 120 members puts the group in the bulk tier"
+        );
+        group
+    }
+
+    /// While single chats send and the gate is shut, a flood's send waits for the gate, but
+    /// never for good: past BULK_MAX_WAIT it goes even though single chats keep sending
+    /// (each committing its own batch) and the gate stays shut.
+    #[tokio::test]
+    async fn a_shut_gate_holds_bulk_sends_beside_single_chats_but_never_for_good() {
+        let (gate, _switch) = crate::lag::Gate::manual(false);
+        let (_store, pipeline, dir) =
+            pipeline_over_store_gated("gate-held", 10_000, 120, Some(gate)).await;
+        let group = large_group(&pipeline).await;
+        // Single chats keep sending, a batch of their own every 10 ms.
+        let chats = pipeline.clone();
+        let chatter = tokio::spawn(async move {
+            for i in 0.. {
+                send(&chats, 2 + i % 2, 3 - i % 2, &format!("c-{i}")).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let started = Instant::now();
+        let flood = pipeline.call(text_send(user(1), SendTo::Conversation(group), "g-1"));
+        let reply = tokio::time::timeout(Duration::from_secs(30), flood)
+            .await
+            .expect("a bulk send held by a shut gate goes after BULK_MAX_WAIT");
+        assert!(matches!(reply, Ok(Reply::SendAck(_))), "{reply:?}");
+        assert!(
+            started.elapsed() >= BULK_MAX_WAIT,
+            "beside single chats, a shut gate held the send ({:?})",
+            started.elapsed()
+        );
+        chatter.abort();
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Alone (no single chat sent lately), a flood does not wait for the gate.
+    #[tokio::test]
+    async fn a_flood_alone_does_not_wait_for_the_gate() {
+        let (gate, _switch) = crate::lag::Gate::manual(false);
+        let (_store, pipeline, dir) =
+            pipeline_over_store_gated("gate-alone", 10_000, 120, Some(gate)).await;
+        let group = large_group(&pipeline).await;
+        // Ten sends one after another: held, each would wait BULK_MAX_WAIT (1 s in all).
+        let started = Instant::now();
+        for i in 1..=10 {
+            let reply = pipeline
+                .call(text_send(
+                    user(1),
+                    SendTo::Conversation(group.clone()),
+                    &format!("g-{i}"),
+                ))
+                .await;
+            assert!(matches!(reply, Ok(Reply::SendAck(_))), "{reply:?}");
+        }
+        assert!(
+            started.elapsed() < BULK_MAX_WAIT * 10,
+            "no fast sends: the shut gate held the flood ({:?})",
+            started.elapsed()
+        );
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// The engine's caches hold two conversations, so nearly every send evicts them; the
@@ -961,6 +1112,7 @@ mod tests {
             fast_closed: false,
             bulk_closed: false,
             large,
+            parked: None,
         };
         (q, (ftx, btx))
     }
