@@ -567,8 +567,12 @@ async fn decide(
                     return;
                 };
                 let mut b = std::mem::take(&mut open);
-                if b.share.bulk_spent > 0 {
-                    bulk_held_since = None;
+                if b.share.bulk_spent > 0
+                    && let Some(since) = bulk_held_since.take()
+                {
+                    // How long the gate held bulk work back: operators see the flood's price.
+                    metrics::histogram!("pigeon_bulk_held_seconds")
+                        .record(since.elapsed().as_secs_f64());
                 }
                 let batch = engine.seal(&mut b.changes);
                 permit.send(Decided {

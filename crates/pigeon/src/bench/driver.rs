@@ -27,6 +27,9 @@ const ACK_DELAY: Duration = Duration::from_millis(20);
 /// A connection that wrote nothing for this long pings (the server closes silent ones).
 const PING_EVERY: Duration = Duration::from_secs(10);
 
+/// How late a fixed-rate send may leave the load tool before it counts in `late_sends`.
+pub const LATE_SEND: Duration = Duration::from_millis(5);
+
 /// Live totals over every connection of a run (the progress line reads them).
 #[derive(Default)]
 pub struct Counters {
@@ -42,6 +45,9 @@ pub struct Counters {
     pub expected: AtomicU64,
     /// Sends answered `rate_limited` or `unavailable`, sent again.
     pub retried: AtomicU64,
+    /// Fixed-rate sends the load tool itself wrote more than [`LATE_SEND`] after their
+    /// scheduled time: their latency (counted from that time) includes the tool's own delay.
+    pub late_sends: AtomicU64,
     pub errors: AtomicU64,
     /// Sending connections that have seen the order to stop sending (or ended).
     pub stopped_senders: AtomicU64,
@@ -236,6 +242,10 @@ impl Measured {
         rep.num("server_cpu_percent", self.server_cpu);
         rep.num("bench_cpu_percent", self.own_cpu);
         rep.set("retried", self.shared.counters.retried.load(Relaxed));
+        rep.set(
+            "sends_late_over_5ms",
+            self.shared.counters.late_sends.load(Relaxed),
+        );
     }
 }
 
@@ -677,6 +687,9 @@ impl Driver {
                         return Ok(());
                     }
                     self.next_at = Some(at + every);
+                    if now.duration_since(at) > LATE_SEND {
+                        self.sh.counters.late_sends.fetch_add(1, Relaxed);
+                    }
                     now_us().saturating_sub(now.duration_since(at).as_micros() as u64)
                 }
             };

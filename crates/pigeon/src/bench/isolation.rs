@@ -201,5 +201,9 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
         },
     );
     rep.set("retried", retried);
+    rep.set(
+        "sends_late_over_5ms",
+        shared.counters.late_sends.load(Relaxed),
+    );
     Ok(rep.finish(&out.checks, a.common.json.as_deref()))
 }
