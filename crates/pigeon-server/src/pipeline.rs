@@ -872,7 +872,7 @@ mod tests {
     async fn pipeline_over_store(
         name: &str,
         max_cached: usize,
-    ) -> (Arc<dyn Store>, Pipeline, std::path::PathBuf) {
+    ) -> (Arc<dyn Store>, Pipeline, TempDir) {
         pipeline_over_store_gated(name, max_cached, 12, None).await
     }
 
@@ -883,14 +883,14 @@ mod tests {
         max_cached: usize,
         users: u64,
         gate: Option<crate::lag::Gate>,
-    ) -> (Arc<dyn Store>, Pipeline, std::path::PathBuf) {
-        let dir = std::env::temp_dir().join(format!(
+    ) -> (Arc<dyn Store>, Pipeline, TempDir) {
+        let dir = TempDir(std::env::temp_dir().join(format!(
             "pigeon-pipeline-{name}-{}-{}",
             std::process::id(),
             now_ms()
-        ));
+        )));
         let store: Arc<dyn Store> = Arc::new(
-            pigeon_store_sqlite::SqliteStore::open(&dir, pigeon_store_sqlite::Durability::Os)
+            pigeon_store_sqlite::SqliteStore::open(&dir.0, pigeon_store_sqlite::Durability::Os)
                 .unwrap(),
         );
         let cfg = pigeon_core::engine::EngineConfig {
@@ -914,6 +914,15 @@ mod tests {
                 .unwrap();
         }
         (store, pipeline, dir)
+    }
+
+    /// A test's data directory, removed when the test ends, passed or not.
+    struct TempDir(std::path::PathBuf);
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 
     fn user(n: u64) -> UserId {
@@ -973,7 +982,7 @@ mod tests {
     #[tokio::test]
     async fn a_shut_gate_holds_bulk_sends_beside_single_chats_but_never_for_good() {
         let (gate, _switch) = crate::lag::Gate::manual(false);
-        let (_store, pipeline, dir) =
+        let (_store, pipeline, _dir) =
             pipeline_over_store_gated("gate-held", 10_000, 120, Some(gate)).await;
         let group = large_group(&pipeline).await;
         // Single chats keep sending, a batch of their own every 10 ms.
@@ -997,14 +1006,13 @@ mod tests {
             started.elapsed()
         );
         chatter.abort();
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// Alone (no single chat sent lately), a flood does not wait for the gate.
     #[tokio::test]
     async fn a_flood_alone_does_not_wait_for_the_gate() {
         let (gate, _switch) = crate::lag::Gate::manual(false);
-        let (_store, pipeline, dir) =
+        let (_store, pipeline, _dir) =
             pipeline_over_store_gated("gate-alone", 10_000, 120, Some(gate)).await;
         let group = large_group(&pipeline).await;
         // Ten sends one after another: held, each would wait BULK_MAX_WAIT (1 s in all).
@@ -1024,7 +1032,6 @@ mod tests {
             "no fast sends: the shut gate held the flood ({:?})",
             started.elapsed()
         );
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// The engine's caches hold two conversations, so nearly every send evicts them; the
@@ -1033,7 +1040,7 @@ mod tests {
     /// out a seq twice: eviction must wait for the tables first.
     #[tokio::test]
     async fn seqs_stay_contiguous_when_caches_are_evicted_while_the_tables_lag() {
-        let (store, pipeline, dir) = pipeline_over_store("evict", 2).await;
+        let (store, pipeline, _dir) = pipeline_over_store("evict", 2).await;
         for round in 1..=4u64 {
             for pair in 0..6u64 {
                 let ack = send(
@@ -1062,7 +1069,6 @@ mod tests {
             assert_eq!(seqs, vec![1, 2, 3, 4], "pair {pair}");
         }
         store.close().await;
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// A send again at once: its batch is journaled (so the engine has let go of its ack)
@@ -1070,7 +1076,7 @@ mod tests {
     /// wait for the tables, or the retry becomes a second message.
     #[tokio::test]
     async fn a_retry_of_a_send_the_tables_do_not_hold_yet_is_a_duplicate() {
-        let (store, pipeline, dir) = pipeline_over_store("retry", 1000).await;
+        let (store, pipeline, _dir) = pipeline_over_store("retry", 1000).await;
         let first = send(&pipeline, 1, 2, "once").await;
         let again = send(&pipeline, 1, 2, "once").await;
         assert_eq!(
@@ -1079,7 +1085,6 @@ mod tests {
         );
         assert_eq!(send(&pipeline, 1, 2, "next").await.seq, 2);
         store.close().await;
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     fn send_to(conv: &ConversationId, n: u64) -> Envelope {
