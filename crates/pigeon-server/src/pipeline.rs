@@ -73,11 +73,13 @@ pub const BULK_BUDGET: u64 = 400;
 /// How long after the fast tier's last send the bulk tier still waits for the runtime to
 /// keep time (see `decide`).
 pub const FAST_SENDS_RECENT: std::time::Duration = std::time::Duration::from_secs(1);
-/// The longest bulk work waits for the gate: past this it is taken as if the gate were open
-/// until a batch has taken some, so a server kept busy by single chats still moves a flood.
+/// The longest bulk work waits while single chats send: past this it is taken as if the
+/// gate were open, and beside their sends, until a batch has taken some, so a server kept
+/// busy by single chats still moves a flood.
 pub const BULK_MAX_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
-/// The bulk work a batch that also carries fast commands may take: a single chat's own
-/// commit stays light, and a flood still moves while fast traffic never stops.
+/// The bulk work a batch that carries fast commands but no fast sends (cursor moves, read
+/// marks) may take. A batch that carries a single chat's send takes none until bulk work
+/// is overdue ([`BULK_MAX_WAIT`]), then this much: the send's own commit stays light.
 pub const BULK_BUDGET_BESIDE_FAST: u64 = 100;
 
 /// Conversations that have been large, with what one send into each costs (see
@@ -299,7 +301,7 @@ impl Queues {
         while into.len() < limit {
             match self.fast.try_recv() {
                 Ok(e) => {
-                    batch.fast += 1;
+                    batch.took_fast(&e.cmd);
                     into.push(e);
                 }
                 Err(_) => break,
@@ -346,7 +348,7 @@ impl Queues {
                 biased;
                 e = self.fast.recv(), if !self.fast_closed => match e {
                     Some(e) => {
-                        batch.fast += 1;
+                        batch.took_fast(&e.cmd);
                         return Next::Command(e);
                     }
                     None => self.fast_closed = true,
@@ -392,19 +394,32 @@ enum Next {
 #[derive(Default)]
 struct BatchShare {
     fast: usize,
+    /// Of `fast`, the sends.
+    fast_sends: usize,
     bulk_spent: u64,
+    /// Bulk work has waited [`BULK_MAX_WAIT`] (set by the decider before each take).
+    bulk_overdue: bool,
 }
 
 impl BatchShare {
     /// Whether the batch may take more bulk work: [`BULK_BUDGET`] alone, less beside fast
-    /// commands.
+    /// commands, none beside fast sends until bulk work is overdue.
     fn bulk_left(&self) -> bool {
-        let budget = if self.fast > 0 {
+        let budget = if self.fast_sends > 0 && !self.bulk_overdue {
+            0
+        } else if self.fast > 0 {
             BULK_BUDGET_BESIDE_FAST
         } else {
             BULK_BUDGET
         };
         self.bulk_spent < budget
+    }
+
+    fn took_fast(&mut self, cmd: &Command) {
+        self.fast += 1;
+        if matches!(cmd, Command::Send(_)) {
+            self.fast_sends += 1;
+        }
     }
 }
 
@@ -474,10 +489,9 @@ async fn decide(
     // they come, bulk work waits for a gate that is open only while the runtime keeps
     // time. Alone, a flood takes what it can.
     let mut fast_send_at: Option<Instant> = None;
-    // Since when bulk work has been waiting for the gate; it is let in past a shut gate
-    // once this is BULK_MAX_WAIT old, and the wait ends only when a batch takes bulk work
-    // (or none waits, or no fast sends came lately).
-    let mut bulk_held_since: Option<Instant> = None;
+    // Since when bulk work has been waiting; once this is BULK_MAX_WAIT old it is overdue
+    // (let in past a shut gate, and beside fast sends), until a batch takes some.
+    let mut bulk_waiting_since: Option<Instant> = None;
     loop {
         // Caches past their bound are dropped only when nothing decided is uncommitted and
         // the tables hold every batch (until then the cache is the only place that shows
@@ -502,17 +516,15 @@ async fn decide(
         // time (`lag::Gate`): a flood then gets the CPU they leave rather than delaying
         // them.
         let fast_recent = fast_send_at.is_some_and(|t| t.elapsed() < FAST_SENDS_RECENT);
-        let gate_applies = fast_recent && queues.bulk_waiting();
-        if !gate_applies {
-            bulk_held_since = None;
+        let bulk_waiting = queues.bulk_waiting();
+        if !bulk_waiting {
+            bulk_waiting_since = None;
+        } else if bulk_waiting_since.is_none() {
+            bulk_waiting_since = Some(Instant::now());
         }
-        let gated = in_flight == 0
-            && gate_applies
-            && !gate.is_open()
-            && bulk_held_since.is_none_or(|t| t.elapsed() < BULK_MAX_WAIT);
-        if gated && bulk_held_since.is_none() {
-            bulk_held_since = Some(Instant::now());
-        }
+        let overdue = bulk_waiting_since.is_some_and(|t| t.elapsed() >= BULK_MAX_WAIT);
+        open.share.bulk_overdue = overdue;
+        let gated = in_flight == 0 && fast_recent && bulk_waiting && !overdue && !gate.is_open();
         let bulk = in_flight == 0 && !gated;
         if taking {
             queues.take_ready(room, bulk, &mut open.share, &mut arrived);
@@ -568,10 +580,11 @@ async fn decide(
                 };
                 let mut b = std::mem::take(&mut open);
                 if b.share.bulk_spent > 0
-                    && let Some(since) = bulk_held_since.take()
+                    && let Some(since) = bulk_waiting_since.take()
                 {
-                    // How long the gate held bulk work back: operators see the flood's price.
-                    metrics::histogram!("pigeon_bulk_held_seconds")
+                    // How long bulk work waited for a batch (the commit in flight, the gate,
+                    // single chats' sends): operators see what a flood is made to wait.
+                    metrics::histogram!("pigeon_bulk_wait_seconds")
                         .record(since.elapsed().as_secs_f64());
                 }
                 let batch = engine.seal(&mut b.changes);
@@ -592,7 +605,7 @@ async fn decide(
                 Next::Closed => closed = true,
             },
             _ = gate.opened(
-                bulk_held_since.map_or_else(tokio::time::Instant::now, |t| (t + BULK_MAX_WAIT).into()),
+                bulk_waiting_since.map_or_else(tokio::time::Instant::now, |t| (t + BULK_MAX_WAIT).into()),
             ), if gated && taking => {}
         }
     }
@@ -1127,9 +1140,21 @@ mod tests {
     }
 
     /// Takes what is ready: (fast commands, flood sends).
-    fn take((mut q, _open): (Queues, Senders), bulk: bool) -> (usize, usize) {
+    fn take(q: (Queues, Senders), bulk: bool) -> (usize, usize) {
+        take_overdue(q, bulk, false)
+    }
+
+    fn take_overdue(
+        (mut q, _open): (Queues, Senders),
+        bulk: bool,
+        overdue: bool,
+    ) -> (usize, usize) {
         let q = &mut q;
-        let (mut share, mut got) = (BatchShare::default(), Vec::new());
+        let mut share = BatchShare {
+            bulk_overdue: overdue,
+            ..BatchShare::default()
+        };
+        let mut got = Vec::new();
         q.take_ready(MAX_BATCH, bulk, &mut share, &mut got);
         let big = got.iter().filter(|e| q.cost(&e.cmd) > 1).count();
         (got.len() - big, big)
@@ -1148,9 +1173,19 @@ mod tests {
     fn a_batch_takes_all_fast_work_and_bulk_work_within_its_budget() {
         // Alone, a batch takes flood sends up to BULK_BUDGET (400 rows: two sends of 200).
         assert_eq!(take(queues(0, 10), true), (0, 2));
-        // Beside fast commands only up to BULK_BUDGET_BESIDE_FAST: one send (the first is
-        // always allowed, so a flood still moves under steady fast traffic).
-        assert_eq!(take(queues(3, 10), true), (3, 1));
+        // Beside fast sends none, so a single chat's commit stays light; once bulk work is
+        // overdue, up to BULK_BUDGET_BESIDE_FAST: one send (the first is always allowed),
+        // so a flood still moves under steady single chats.
+        assert_eq!(take(queues(3, 10), true), (3, 0));
+        assert_eq!(take_overdue(queues(3, 10), true, true), (3, 1));
+        // Beside fast commands that are not sends (cursor moves), one send too.
+        let (q, open) = queues(0, 10);
+        let flush = Envelope {
+            cmd: Command::Flush,
+            reply: ReplyTo::Nobody,
+        };
+        open.0.try_send(flush).ok().unwrap();
+        assert_eq!(take((q, open), true), (1, 1));
         // While the store commits, bulk work waits for the batch that goes next.
         assert_eq!(take(queues(3, 10), false), (3, 0));
         assert_eq!(take(queues(0, 10), false), (0, 0));
