@@ -50,7 +50,8 @@ impl Gate {
     }
 
     /// A gate with no probe, open or shut as `switch` says (tests of what waits for it).
-    pub fn manual(open: bool) -> (Gate, watch::Sender<bool>) {
+    #[cfg(test)]
+    pub(crate) fn manual(open: bool) -> (Gate, watch::Sender<bool>) {
         let (switch, rx) = watch::channel(open);
         let asked = Arc::new(Asked {
             since_last_look: AtomicBool::new(false),

@@ -375,11 +375,6 @@ impl Queues {
     fn cost(&self, cmd: &Command) -> u64 {
         large_cost(&self.large, cmd).unwrap_or(1)
     }
-
-    /// Whether `cmd` is a send the fast tier takes (not into a large conversation).
-    fn is_fast_send(&self, cmd: &Command) -> bool {
-        matches!(cmd, Command::Send(_)) && large_cost(&self.large, cmd).is_none()
-    }
 }
 
 /// What [`Queues::next`] found.
@@ -395,7 +390,8 @@ enum Next {
 #[derive(Default)]
 struct BatchShare {
     fast: usize,
-    /// Of `fast`, the sends.
+    /// Of `fast`, the sends (single chats, small groups); see also `decide`'s
+    /// `fast_send_at`.
     fast_sends: usize,
     bulk_spent: u64,
     /// Bulk work has waited [`BULK_MAX_WAIT`] (set by the decider before each take).
@@ -543,7 +539,7 @@ async fn decide(
         if !arrived.is_empty()
             && (store_idle_and_empty || arrived.len() >= DECIDE_CHUNK || room == 0)
         {
-            if arrived.iter().any(|e| queues.is_fast_send(&e.cmd)) {
+            if open.share.fast_sends > 0 {
                 fast_send_at = Some(Instant::now());
             }
             decide_into(
@@ -999,15 +995,29 @@ mod tests {
         group
     }
 
+    /// A pipeline whose bulk tier's gate stays shut, with the large group of `large_group`.
+    /// Keep the switch: a gate whose switch is gone never waits.
+    async fn large_group_behind_a_shut_gate(
+        name: &str,
+    ) -> (
+        Pipeline,
+        ConversationId,
+        TempDir,
+        tokio::sync::watch::Sender<bool>,
+    ) {
+        let (gate, switch) = crate::lag::Gate::manual(false);
+        let (_store, pipeline, dir) =
+            pipeline_over_store_gated(name, 10_000, 120, Some(gate)).await;
+        let group = large_group(&pipeline).await;
+        (pipeline, group, dir, switch)
+    }
+
     /// While single chats send and the gate is shut, a flood's send waits for the gate, but
     /// never for good: past BULK_MAX_WAIT it goes even though single chats keep sending
     /// (each committing its own batch) and the gate stays shut.
     #[tokio::test]
     async fn a_shut_gate_holds_bulk_sends_beside_single_chats_but_never_for_good() {
-        let (gate, _switch) = crate::lag::Gate::manual(false);
-        let (_store, pipeline, _dir) =
-            pipeline_over_store_gated("gate-held", 10_000, 120, Some(gate)).await;
-        let group = large_group(&pipeline).await;
+        let (pipeline, group, _dir, _switch) = large_group_behind_a_shut_gate("gate-held").await;
         // Single chats keep sending, a batch of their own every 10 ms.
         let chats = pipeline.clone();
         let chatter = tokio::spawn(async move {
@@ -1034,10 +1044,7 @@ mod tests {
     /// Alone (no single chat sent lately), a flood does not wait for the gate.
     #[tokio::test]
     async fn a_flood_alone_does_not_wait_for_the_gate() {
-        let (gate, _switch) = crate::lag::Gate::manual(false);
-        let (_store, pipeline, _dir) =
-            pipeline_over_store_gated("gate-alone", 10_000, 120, Some(gate)).await;
-        let group = large_group(&pipeline).await;
+        let (pipeline, group, _dir, _switch) = large_group_behind_a_shut_gate("gate-alone").await;
         // The group's first send went by the fast queue (it was not large yet): wait until
         // that no longer counts as a fast send lately.
         tokio::time::sleep(FAST_SENDS_RECENT + Duration::from_millis(100)).await;

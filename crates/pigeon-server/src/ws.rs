@@ -32,9 +32,10 @@ const MAX_PUSH_TRIES: u8 = 4;
 /// Bad frames tolerated per window before the connection is closed with 1008.
 const BAD_FRAMES_PER_WINDOW: u32 = 20;
 const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
-/// Bytes read from the socket at a time, allocated (and zeroed) for every connection up
-/// front: an idle connection's largest buffer. A client frame is ~100-300 bytes, so a few
-/// fit; a larger frame takes more reads, not more memory.
+/// Bytes read from the socket at a time, the read buffer's capacity reserved for every
+/// connection up front: an idle connection's largest buffer. A client frame is ~100-300
+/// bytes, so a few fit; a larger frame (up to the frame limit) grows the buffer for as long
+/// as it is being read.
 const READ_BUFFER_BYTES: usize = 2048;
 /// Bytes of frames gathered before they are written to the socket (see [`upgrade`]).
 const WRITE_BUFFER_BYTES: usize = 16 * 1024;

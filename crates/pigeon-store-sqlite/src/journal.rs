@@ -88,8 +88,14 @@ fn segment_path(dir: &Path, first_lsn: u64) -> PathBuf {
 /// One record's bytes as written: room for the header, then the payload. The writer keeps
 /// one and reuses it, so that a batch is encoded once, straight into the bytes written, with
 /// no fresh allocation per batch.
-#[derive(Default)]
 pub struct RecordBuf(Vec<u8>);
+
+impl Default for RecordBuf {
+    /// An empty record: room for the header, no payload.
+    fn default() -> Self {
+        RecordBuf(vec![0; HEADER])
+    }
+}
 
 impl RecordBuf {
     /// Capacity kept between records; a larger buffer (a huge batch) is given back.
@@ -105,7 +111,7 @@ impl RecordBuf {
     }
 
     pub fn payload(&self) -> &[u8] {
-        &self.0[HEADER.min(self.0.len())..]
+        &self.0[HEADER..]
     }
 }
 
@@ -113,11 +119,6 @@ impl io::Write for RecordBuf {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.0.extend_from_slice(buf);
         Ok(buf.len())
-    }
-
-    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
-        self.0.extend_from_slice(buf);
-        Ok(())
     }
 
     fn flush(&mut self) -> io::Result<()> {

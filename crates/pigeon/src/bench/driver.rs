@@ -242,11 +242,13 @@ impl Measured {
         rep.num("server_cpu_percent", self.server_cpu);
         rep.num("bench_cpu_percent", self.own_cpu);
         rep.set("retried", self.shared.counters.retried.load(Relaxed));
-        rep.set(
-            "sends_late_over_5ms",
-            self.shared.counters.late_sends.load(Relaxed),
-        );
+        report_late_sends(rep, &self.shared.counters);
     }
+}
+
+/// How many fixed-rate sends left the tool late (see [`Counters::late_sends`]).
+pub fn report_late_sends(rep: &mut super::Report, counters: &Counters) {
+    rep.set("sends_late_over_5ms", counters.late_sends.load(Relaxed));
 }
 
 /// How a scenario paces its senders, for its title.

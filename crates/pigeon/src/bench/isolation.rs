@@ -75,7 +75,7 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
         interval: Some(Duration::from_secs_f64(users as f64 / a.rate)),
         size: a.size,
     };
-    let specs = ids
+    let mut specs: Vec<Spec> = ids
         .iter()
         .zip(tokens)
         .enumerate()
@@ -101,10 +101,9 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
                 }
             }
         })
-        .collect::<Vec<_>>();
+        .collect();
     // The single chats are what is measured: they run apart from the flood's connections
     // (see `ProbeRuntime`).
-    let mut specs = specs;
     let flood_specs = specs.split_off(users);
     let probe = driver::ProbeRuntime::new()?;
     let single_conns = probe.connect_all(&target.ws_base(), specs).await?;
@@ -201,9 +200,6 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
         },
     );
     rep.set("retried", retried);
-    rep.set(
-        "sends_late_over_5ms",
-        shared.counters.late_sends.load(Relaxed),
-    );
+    driver::report_late_sends(&mut rep, &shared.counters);
     Ok(rep.finish(&out.checks, a.common.json.as_deref()))
 }
