@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 /// A connected, authenticated WebSocket. `hello` is the server's first frame.
@@ -16,6 +16,17 @@ pub struct WsConn {
     pub hello: Value,
     /// The close frame the server sent, once it closed.
     pub closed_with: Option<(u16, String)>,
+}
+
+/// Bytes asked of the socket per read. Tungstenite zero-fills the spare part of its read
+/// buffer before every read, so its default (128 KiB) cost a 128 KiB `memset` per frame
+/// read: 12 % of the load tool's CPU at 31 700 direct messages per second (`perf`). A
+/// server frame is a few hundred bytes; a larger one (a pull page) is still read whole, in
+/// more reads.
+const READ_BUFFER_BYTES: usize = 8 * 1024;
+
+fn config() -> WebSocketConfig {
+    WebSocketConfig::default().read_buffer_size(READ_BUFFER_BYTES)
 }
 
 fn transport(e: impl std::fmt::Display) -> ClientError {
@@ -42,7 +53,7 @@ impl WsConn {
     pub async fn connect_request(
         req: tokio_tungstenite::tungstenite::handshake::client::Request,
     ) -> Result<WsConn, ClientError> {
-        let (stream, _) = tokio_tungstenite::connect_async_with_config(req, None, true)
+        let (stream, _) = tokio_tungstenite::connect_async_with_config(req, Some(config()), true)
             .await
             .map_err(|e| match e {
                 tokio_tungstenite::tungstenite::Error::Http(resp) => {
