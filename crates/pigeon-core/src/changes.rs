@@ -8,17 +8,19 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// An entry of a user's inbox chain.
+/// An entry of a user's inbox chain: where a message sits in it. (The message's
+/// conversation and seq are the message's own; journal records written before schema
+/// version 2 also carry them here, and reading ignores them.)
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InboxRow {
     pub user: UserId,
     pub user_seq: u64,
     pub msg_id: MsgId,
-    pub conversation: ConversationId,
-    pub seq: u64,
 }
 
-/// A conversation's own row: its state without the member list.
+/// A conversation's own row: its state without the member list. (In the journal, as in
+/// [`MemberRow`], an absent option is left out rather than written as `null`: a journal
+/// record is written and fsynced for every batch.)
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ConversationRow {
     pub id: ConversationId,
@@ -26,12 +28,18 @@ pub struct ConversationRow {
     pub seq: u64,
     pub member_count: u64,
     pub fanout: Fanout,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notice: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub avatar: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<UserId>,
     pub dismissed: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_msg_id: Option<MsgId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_fanout_since: Option<u64>,
     pub created_at: i64,
     pub updated_at: i64,
@@ -64,6 +72,7 @@ pub struct MemberRow {
     pub conversation: ConversationId,
     pub user: UserId,
     pub state: MemberState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub left_seq: Option<u64>,
 }
 
@@ -177,4 +186,27 @@ pub enum Event {
     },
     /// The user's tokens were revoked: close their connections.
     LoggedOut { user: UserId },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Journal records written before schema version 2 carry the conversation and seq in
+    /// every inbox row; they must still be read (a journal outlives an upgrade).
+    #[test]
+    fn an_inbox_row_of_an_older_journal_record_is_read() {
+        let old = r#"{"users":[],"logouts":[],"conversations":[],"messages":[],
+            "inbox":[{"user":2,"user_seq":20,"msg_id":"385582362932543488","conversation":"2-3","seq":20}],
+            "members":[],"message_updates":[],"versions":[],"hidden_messages":[],"cursors":[]}"#;
+        let ch: Changes = serde_json::from_str(old).unwrap();
+        assert_eq!(
+            ch.inbox,
+            vec![InboxRow {
+                user: UserId::new(2).unwrap(),
+                user_seq: 20,
+                msg_id: MsgId::new(385582362932543488).unwrap(),
+            }]
+        );
+    }
 }

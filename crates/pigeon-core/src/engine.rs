@@ -1096,8 +1096,6 @@ impl Engine {
                         user: *user,
                         user_seq: *head,
                         msg_id,
-                        conversation: conv_id.clone(),
-                        seq,
                     });
                     Some(*head)
                 }

@@ -666,8 +666,6 @@ mod tests {
                 user: u,
                 user_seq: 4,
                 msg_id: msg,
-                conversation: conv.clone(),
-                seq: 3,
             }],
             members: HashMap::new(),
             message_updates: vec![MessageUpdate {

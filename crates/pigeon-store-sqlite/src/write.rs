@@ -198,16 +198,13 @@ pub fn apply(tx: &Transaction, batches: &[&Changes]) -> rusqlite::Result<()> {
                 m.edited_at,
             ])?;
         }
-        let mut st = tx.prepare_cached(
-            "INSERT INTO inbox (user_id, user_seq, msg_id, conversation_id, seq) VALUES (?1, ?2, ?3, ?4, ?5)",
-        )?;
+        let mut st =
+            tx.prepare_cached("INSERT INTO inbox (user_id, user_seq, msg_id) VALUES (?1, ?2, ?3)")?;
         for i in every().flat_map(|ch| &ch.inbox) {
             st.execute(params![
                 i.user.get() as i64,
                 i.user_seq as i64,
-                i.msg_id.get() as i64,
-                i.conversation.as_str(),
-                i.seq as i64
+                i.msg_id.get() as i64
             ])?;
         }
         let mut st = tx.prepare_cached(
