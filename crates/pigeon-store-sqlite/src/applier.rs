@@ -65,16 +65,25 @@ pub struct StoreWrites {
     /// not wait for more batches.
     readers_waiting: AtomicUsize,
     applied: watch::Sender<u64>,
+    /// With durability `fsync`: the tables' transactions are not fsynced when they commit
+    /// (`synchronous=NORMAL`), so a journal segment is deleted only once the tables hold its
+    /// batches durably ([`StoreWrites::tables_durable`], told by the checkpointer after it
+    /// synced the WAL), not as soon as they are applied.
+    keep_until_durable: bool,
+    /// The newest lsn the tables hold durably (only kept with `keep_until_durable`).
+    durable: AtomicU64,
     /// Journaled but unapplied payload bytes past which a commit waits for the applier.
     max_backlog_bytes: usize,
 }
 
 impl StoreWrites {
+    /// `applied` is the newest lsn the tables hold, durably: the caller synced them.
     pub fn new(
         writer: Connection,
         journal: Journal,
         applied: u64,
         max_backlog_bytes: usize,
+        keep_until_durable: bool,
     ) -> Arc<Self> {
         Arc::new(StoreWrites {
             journal_dir: journal.dir().to_path_buf(),
@@ -87,8 +96,45 @@ impl StoreWrites {
             logged: AtomicU64::new(applied),
             readers_waiting: AtomicUsize::new(0),
             applied: watch::channel(applied).0,
+            keep_until_durable,
+            durable: AtomicU64::new(applied),
             max_backlog_bytes,
         })
+    }
+
+    /// The newest lsn whose batch the tables hold (committed, not necessarily synced).
+    pub fn applied(&self) -> u64 {
+        *self.applied.borrow()
+    }
+
+    /// The tables hold every batch up to `lsn` durably (the caller synced them after that
+    /// batch was applied): the journal segments holding only such batches are deleted.
+    pub fn tables_durable(&self, lsn: u64) {
+        let lsn = self.durable.fetch_max(lsn, Ordering::AcqRel).max(lsn);
+        self.delete_segments_through(lsn);
+    }
+
+    /// The next batch starts a new journal segment (tests).
+    #[cfg(test)]
+    pub(crate) fn end_segment(&self) {
+        if let Some(j) = self.journal.lock().expect("journal lock").as_mut() {
+            j.end_segment();
+        }
+    }
+
+    /// Deletes the journal segments whose batches are all at or below `lsn`: detached
+    /// under the journal lock, unlinked after it (an unlink of a 64 MiB segment takes tens
+    /// of ms, which no commit should wait for).
+    fn delete_segments_through(&self, lsn: u64) {
+        let segments = match self.journal.lock().expect("journal lock").as_mut() {
+            Some(journal) => journal.detach_applied(lsn),
+            None => Vec::new(),
+        };
+        for path in segments {
+            if let Err(e) = std::fs::remove_file(&path) {
+                tracing::warn!(error = %e, segment = %path.display(), "deleting an applied journal segment failed");
+            }
+        }
     }
 
     /// Makes `changes` durable in the journal and queues it for the tables. Blocking.
@@ -224,14 +270,8 @@ impl StoreWrites {
             self.backlog.lock().expect("backlog lock").bytes -= size;
             self.room.notify_all();
             self.applied.send_replace(last);
-            let applied_segments = match self.journal.lock().expect("journal lock").as_mut() {
-                Some(journal) => journal.detach_applied(last),
-                None => Vec::new(),
-            };
-            for path in applied_segments {
-                if let Err(e) = std::fs::remove_file(&path) {
-                    tracing::warn!(error = %e, segment = %path.display(), "deleting an applied journal segment failed");
-                }
+            if !self.keep_until_durable {
+                self.delete_segments_through(last);
             }
         }
     }

@@ -418,6 +418,12 @@ impl Journal {
         done
     }
 
+    /// The next append starts a new segment (tests: a segment is 64 MiB).
+    #[cfg(test)]
+    pub(crate) fn end_segment(&mut self) {
+        self.tail_len = SEGMENT_BYTES;
+    }
+
     #[cfg(test)]
     fn segment_count(&self) -> usize {
         self.segments.len()
