@@ -53,6 +53,9 @@ pub struct SqliteStore {
 
 struct Inner {
     path: PathBuf,
+    /// Durability `fsync`: the few settings written outside the journal (`meta_set`) are
+    /// synced as they are written.
+    fsync: bool,
     writes: Arc<StoreWrites>,
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
@@ -113,6 +116,46 @@ fn sync_tables(db: &Path) -> std::io::Result<()> {
     sync_file(&wal_path(db))
 }
 
+/// The tables' files (the database and its WAL) as the checkpointer syncs them, each
+/// through one descriptor held from its first sync on: Linux reports a write-back error to
+/// every descriptor open when it happened, so an error that SQLite's own sync met (and a
+/// writer's automatic checkpoint ignores) is seen here too, which a descriptor opened
+/// afterwards would not.
+struct TableFiles {
+    paths: [PathBuf; 2],
+    open: [Option<std::fs::File>; 2],
+    /// A sync failed: nothing is trusted to be durable again in this process.
+    failed: bool,
+}
+
+impl TableFiles {
+    fn new(db: &Path) -> Self {
+        TableFiles {
+            paths: [db.to_path_buf(), wal_path(db)],
+            open: [None, None],
+            failed: false,
+        }
+    }
+
+    fn sync(&mut self) -> Result<(), StoreError> {
+        for (path, file) in self.paths.iter().zip(self.open.iter_mut()) {
+            if file.is_none() {
+                match std::fs::File::open(path) {
+                    Ok(f) => *file = Some(f),
+                    // Not made yet: it holds nothing to sync.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(StoreError(format!("open {}: {e}", path.display()))),
+                }
+            }
+            if let Some(f) = file {
+                f.sync_data()
+                    .map_err(|e| StoreError(format!("sync {}: {e}", path.display())))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 pub(crate) fn err(e: impl std::fmt::Display) -> StoreError {
     StoreError(e.to_string())
 }
@@ -159,6 +202,13 @@ impl SqliteStore {
             .pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES)
             .map_err(err)?;
         schema::migrate(&mut writer).map_err(err)?;
+        let fsync = durability == Durability::Fsync;
+        if fsync {
+            // The journal deletes its segments at or below the lsn the tables hold: what
+            // they hold must be on the disk first (an earlier run that crashed may have
+            // left its last commits in the OS's cache alone).
+            sync_tables(&path).map_err(|e| StoreError(format!("sync the tables: {e}")))?;
+        }
         let applied = applier::applied_lsn(&writer)?;
         let journal_dir = dir.join("journal");
         let (journal, pending) =
@@ -172,10 +222,8 @@ impl SqliteStore {
             );
         }
         let applied = journal.next_lsn() - 1;
-        let fsync = durability == Durability::Fsync;
-        if fsync {
-            // What the tables hold now (a replay, or an earlier run's unsynced commits after
-            // a crash of the process alone) is made durable before any segment may go.
+        if fsync && replayed > 0 {
+            // The replayed batches too, before their segments may go.
             sync_tables(&path).map_err(|e| StoreError(format!("sync the tables: {e}")))?;
         }
         let writes = StoreWrites::new(writer, journal, applied, backlog_bytes, fsync);
@@ -189,6 +237,7 @@ impl SqliteStore {
         let store = SqliteStore {
             inner: Arc::new(Inner {
                 path,
+                fsync,
                 writes,
                 applier: Mutex::new(Some(handle)),
                 readers: Mutex::new(Vec::new()),
@@ -217,8 +266,9 @@ impl SqliteStore {
             .map_err(err)?;
         conn.pragma_update(None, "synchronous", if fsync { "NORMAL" } else { "OFF" })
             .map_err(err)?;
-        let writes = self.inner.writes.clone();
-        let wal_path = wal_path(&self.inner.path);
+        let mut files = fsync.then(|| TableFiles::new(&self.inner.path));
+        // Weak: the writer connection inside goes with the store, not a round later.
+        let writes = Arc::downgrade(&self.inner.writes);
         let store = Arc::downgrade(&self.inner);
         std::thread::Builder::new()
             .name("pigeon-checkpoint".into())
@@ -227,16 +277,30 @@ impl SqliteStore {
                 // this thread, after its owner believed it closed.
                 while store.strong_count() > 0 {
                     std::thread::sleep(std::time::Duration::from_millis(100));
+                    let Some(writes) = writes.upgrade() else {
+                        break;
+                    };
                     let applied = writes.applied();
-                    if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-                    {
+                    let checkpoint =
+                        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+                    if let Err(e) = &checkpoint {
                         tracing::warn!(error = %e, "wal checkpoint failed");
                     }
-                    if fsync {
-                        match sync_file(&wal_path) {
-                            Ok(()) => writes.tables_durable(applied),
-                            // The journal keeps the batches; the next round tries again.
-                            Err(e) => tracing::warn!(error = %e, "syncing the WAL failed"),
+                    let Some(tables) = files.as_mut() else {
+                        continue;
+                    };
+                    if tables.failed {
+                        continue;
+                    }
+                    match checkpoint.map_err(err).and_then(|()| tables.sync()) {
+                        Ok(()) => writes.tables_durable(applied),
+                        Err(e) => {
+                            // A write-back error is reported once: a later sync that
+                            // succeeds proves nothing about the pages that failed.
+                            tables.failed = true;
+                            tracing::error!(error = %e, "the tables could not be made durable: \
+                                every journal segment is kept from now on (restart once the disk is sound; \
+                                the journal is applied again at open)");
                         }
                     }
                 }
@@ -379,7 +443,18 @@ impl Store for SqliteStore {
 
     async fn meta_set(&self, key: &str, value: &str) -> Result<(), StoreError> {
         let (key, value) = (key.to_owned(), value.to_owned());
-        self.write(move |c| write::meta_set(c, &key, &value)).await
+        self.write(move |c| write::meta_set(c, &key, &value))
+            .await?;
+        if self.inner.fsync {
+            // Not in the journal (the token secret, the admin key): synced here, since the
+            // tables' own commits are not.
+            let path = self.inner.path.clone();
+            tokio::task::spawn_blocking(move || sync_tables(&path))
+                .await
+                .map_err(err)?
+                .map_err(|e| StoreError(format!("sync the tables: {e}")))?;
+        }
+        Ok(())
     }
 
     async fn user(&self, user: UserId) -> Result<Option<UserRecord>, StoreError> {

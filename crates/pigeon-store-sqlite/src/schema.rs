@@ -125,6 +125,16 @@ const MIGRATIONS: &[&str] = &[
 pub fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
     let current: usize =
         conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))? as usize;
+    if current > MIGRATIONS.len() {
+        // Its tables have columns this binary does not know of (or lacks ones it writes).
+        return Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ERROR),
+            Some(format!(
+                "the store was written by a newer Pigeon (schema version {current}; this one knows up to {})",
+                MIGRATIONS.len()
+            )),
+        ));
+    }
     for (i, sql) in MIGRATIONS.iter().enumerate().skip(current) {
         // A migration may rewrite a table: say so before, so a long start is explained.
         if current > 0 {
@@ -186,5 +196,15 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    #[test]
+    fn a_store_of_a_newer_schema_is_refused() {
+        let mut c = Connection::open_in_memory().unwrap();
+        migrate(&mut c).unwrap();
+        c.pragma_update(None, "user_version", (newest_version() + 1) as i64)
+            .unwrap();
+        let e = migrate(&mut c).unwrap_err().to_string();
+        assert!(e.contains("newer Pigeon"), "{e}");
     }
 }
