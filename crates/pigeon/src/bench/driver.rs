@@ -30,6 +30,11 @@ const PING_EVERY: Duration = Duration::from_secs(10);
 /// How late a fixed-rate send may leave the load tool before it counts in `late_sends`.
 pub const LATE_SEND: Duration = Duration::from_millis(5);
 
+/// Deliveries slower than this are counted live ([`Counters::slow`]): the progress line
+/// shows, second by second, when a run's tail happens (20 ms: the floor issue 5 sets for the
+/// p99 at half the maximum rate).
+pub const SLOW_DELIVERY_US: u32 = 20_000;
+
 /// Live totals over every connection of a run (the progress line reads them).
 #[derive(Default)]
 pub struct Counters {
@@ -49,6 +54,8 @@ pub struct Counters {
     /// scheduled time: their latency (counted from that time) includes the tool's own delay.
     pub late_sends: AtomicU64,
     pub errors: AtomicU64,
+    /// Deliveries slower than [`SLOW_DELIVERY_US`].
+    pub slow: AtomicU64,
     /// Sending connections that have seen the order to stop sending (or ended).
     pub stopped_senders: AtomicU64,
 }
@@ -831,6 +838,9 @@ impl Driver {
         let lat = now.saturating_sub(sent_us).min(u64::from(u32::MAX)) as u32;
         let b = self.bucket(conv.starts_with('g'), sent_us);
         self.r.delivery_lat[b].push(lat);
+        if lat > SLOW_DELIVERY_US {
+            k.slow.fetch_add(1, Relaxed);
+        }
         if self.completion {
             self.r
                 .completion
@@ -946,19 +956,23 @@ struct PushedMessage<'a> {
     content: std::borrow::Cow<'a, str>,
 }
 
-/// The progress line of the message scenarios: totals and the delivery rate of the last second.
+/// The progress line of the message scenarios: totals, and the delivery rate and the
+/// deliveries slower than [`SLOW_DELIVERY_US`] since the last line.
 pub fn progress(shared: Arc<Shared>) -> super::Progress {
-    let mut last = (0.0, 0u64);
+    let mut last = (0.0, 0u64, 0u64);
     super::Progress::start(move |t| {
         let k = &shared.counters;
         let delivered = k.delivered.load(Relaxed);
+        let slow = k.slow.load(Relaxed);
         let rate = (delivered - last.1) as f64 / (t - last.0).max(1e-3);
-        last = (t, delivered);
+        let slow_now = slow - last.2;
+        last = (t, delivered, slow);
         format!(
-            "sent {}  acked {}  delivered {}  ({rate:.0}/s)  in flight {}  retried {}  errors {}",
+            "sent {}  acked {}  delivered {}  ({rate:.0}/s, {slow_now} over {} ms)  in flight {}  retried {}  errors {}",
             k.sent.load(Relaxed),
             k.acked.load(Relaxed),
             delivered,
+            SLOW_DELIVERY_US / 1000,
             k.inflight.load(Relaxed),
             k.retried.load(Relaxed),
             k.errors.load(Relaxed),
