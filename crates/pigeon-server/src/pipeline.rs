@@ -74,8 +74,8 @@ pub const BULK_BUDGET: u64 = 400;
 /// keep time (see `decide`).
 pub const FAST_SENDS_RECENT: std::time::Duration = std::time::Duration::from_secs(1);
 /// The longest bulk work waits while single chats send: past this it is taken as if the
-/// gate were open, and beside their sends, until a batch has taken some, so a server kept
-/// busy by single chats still moves a flood.
+/// gate were open and unpaced (see [`BULK_PACE`]), and beside their sends, until a batch has
+/// taken some, so a server kept busy by single chats still moves a flood.
 pub const BULK_MAX_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 /// The bulk work a batch that carries fast commands but no fast sends (cursor moves, read
 /// marks) may take. A batch that carries a single chat's send takes none until bulk work
@@ -535,8 +535,8 @@ async fn decide(
     // Since when bulk work has been waiting; once this is BULK_MAX_WAIT old it is overdue
     // (let in past a shut gate, and beside fast sends), until a batch takes some.
     let mut bulk_waiting_since: Option<Instant> = None;
-    // When a batch last took bulk work: while fast sends come, the next may take some only
-    // BULK_PACE later.
+    // When a batch that took bulk work was handed over: while fast sends come on a strained
+    // machine (see `Pacing`), the next may take some only BULK_PACE later.
     let mut bulk_taken_at: Option<Instant> = None;
     // When the gate was last found shut: for a while after, bulk batches are paced too.
     let mut gate_shut_at: Option<Instant> = None;
@@ -561,8 +561,8 @@ async fn decide(
         // Bulk work joins a batch only when it is about to go (the store is idle), once it
         // is known whether fast commands are in it (see BULK_BUDGET_BESIDE_FAST), and,
         // while single chats and small groups are sending, only while the runtime keeps
-        // time (`lag::Gate`): a flood then gets the CPU they leave rather than delaying
-        // them.
+        // time (`lag::Gate`) and, once it has not lately, BULK_PACE apart: a flood then gets
+        // the CPU they leave rather than delaying them.
         let fast_recent = fast_send_at.is_some_and(|t| t.elapsed() < FAST_SENDS_RECENT);
         let bulk_waiting = queues.bulk_waiting();
         if !bulk_waiting {
@@ -1104,6 +1104,53 @@ mod tests {
             started.elapsed()
         );
         chatter.abort();
+    }
+
+    /// Once the gate was found shut beside single chats, bulk batches are paced; paced work
+    /// goes when its pace ends even if nothing else wakes the decider (the single chats
+    /// stopped, the gate is open, nothing is in flight).
+    #[tokio::test]
+    async fn paced_bulk_work_goes_when_its_pace_ends_though_nothing_else_happens() {
+        let (pipeline, group, _dir, switch) = large_group_behind_a_shut_gate("paced").await;
+        let chats = pipeline.clone();
+        let chatter = tokio::spawn(async move {
+            for i in 0.. {
+                send(&chats, 2 + i % 2, 3 - i % 2, &format!("c-{i}")).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        // Held by the shut gate (which the decider thus finds shut) until overdue.
+        let first = pipeline
+            .call(text_send(
+                user(1),
+                SendTo::Conversation(group.clone()),
+                "p-0",
+            ))
+            .await;
+        assert!(matches!(first, Ok(Reply::SendAck(_))), "{first:?}");
+        chatter.abort();
+        switch.send(true).unwrap();
+        // Single chats sent within FAST_SENDS_RECENT and the gate was shut within
+        // PACED_AFTER_SHUT: six sends of cost 120 go two a batch (BULK_BUDGET_WHILE_FAST),
+        // each batch BULK_PACE after the one before.
+        let started = Instant::now();
+        let replies = futures_util::future::join_all((1..=6).map(|i| {
+            pipeline.call(text_send(
+                user(1),
+                SendTo::Conversation(group.clone()),
+                &format!("p-{i}"),
+            ))
+        }));
+        let replies = tokio::time::timeout(Duration::from_secs(10), replies)
+            .await
+            .expect("paced bulk work goes when its pace ends");
+        assert!(replies.iter().all(|r| matches!(r, Ok(Reply::SendAck(_)))));
+        assert!(
+            started.elapsed() >= BULK_PACE * 2,
+            "three batches, paced: {:?}",
+            started.elapsed()
+        );
     }
 
     /// Alone (no single chat sent lately), a flood does not wait for the gate.
