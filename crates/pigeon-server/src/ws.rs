@@ -422,16 +422,14 @@ impl Connection {
         {
             return self.bad_frame(None, "req must be an integer");
         }
-        match head.kind.as_ref().and_then(|t| t.as_str()) {
+        let kind = match head.kind.as_ref().and_then(|t| t.as_str()) {
             None => return self.bad_frame(req, "frame needs a string type"),
-            Some(t) if !KNOWN_TYPES.contains(&t) => {
-                return self.bad_frame(req, &format!("unknown frame type {t:?}"));
-            }
-            _ => {}
-        }
-        let frame: ClientFrame = match serde_json::from_str(text) {
-            Ok(f) => f,
-            Err(e) => return self.bad_frame(req, &format!("bad frame: {e}")),
+            Some(t) => t,
+        };
+        let frame = match ClientFrame::parse_typed(kind, text) {
+            None => return self.bad_frame(req, &format!("unknown frame type {kind:?}")),
+            Some(Ok(f)) => f,
+            Some(Err(e)) => return self.bad_frame(req, &format!("bad frame: {e}")),
         };
         let result = self.dispatch(frame, req).await;
         match result {
@@ -652,16 +650,3 @@ struct FrameHead {
     kind: Option<serde_json::Value>,
     req: Option<serde_json::Value>,
 }
-
-const KNOWN_TYPES: &[&str] = &[
-    "send",
-    "ack",
-    "sync",
-    "pull",
-    "read",
-    "typing",
-    "ping",
-    "room_join",
-    "room_leave",
-    "room_send",
-];
