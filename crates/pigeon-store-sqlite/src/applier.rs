@@ -111,7 +111,20 @@ impl StoreWrites {
     /// batch was applied): the journal segments holding only such batches are deleted.
     pub fn tables_durable(&self, lsn: u64) {
         let lsn = self.durable.fetch_max(lsn, Ordering::AcqRel).max(lsn);
+        self.report_unsynced();
         self.delete_segments_through(lsn);
+    }
+
+    /// `pigeon_tables_unsynced_batches`: batches the tables hold but not yet durably, whose
+    /// journal segments must stay. It stays under a few hundred while the checkpointer
+    /// syncs every 100 ms; if syncing stops (a failing disk), it grows with every batch.
+    fn report_unsynced(&self) {
+        if self.keep_until_durable {
+            let unsynced = self
+                .applied()
+                .saturating_sub(self.durable.load(Ordering::Acquire));
+            metrics::gauge!("pigeon_tables_unsynced_batches").set(unsynced as f64);
+        }
     }
 
     /// The next batch starts a new journal segment (tests).
@@ -270,6 +283,7 @@ impl StoreWrites {
             self.backlog.lock().expect("backlog lock").bytes -= size;
             self.room.notify_all();
             self.applied.send_replace(last);
+            self.report_unsynced();
             if !self.keep_until_durable {
                 self.delete_segments_through(last);
             }
