@@ -1077,13 +1077,9 @@ mod tests {
         (pipeline, group, dir, switch)
     }
 
-    /// While single chats send and the gate is shut, a flood's send waits for the gate, but
-    /// never for good: past BULK_MAX_WAIT it goes even though single chats keep sending
-    /// (each committing its own batch) and the gate stays shut.
-    #[tokio::test]
-    async fn a_shut_gate_holds_bulk_sends_beside_single_chats_but_never_for_good() {
-        let (pipeline, group, _dir, _switch) = large_group_behind_a_shut_gate("gate-held").await;
-        // Single chats keep sending, a batch of their own every 10 ms.
+    /// Single chats that keep sending, a batch of their own every 10 ms, until aborted; they
+    /// have begun when this returns.
+    async fn single_chats_sending(pipeline: &Pipeline) -> tokio::task::JoinHandle<()> {
         let chats = pipeline.clone();
         let chatter = tokio::spawn(async move {
             for i in 0.. {
@@ -1092,6 +1088,16 @@ mod tests {
             }
         });
         tokio::time::sleep(Duration::from_millis(30)).await;
+        chatter
+    }
+
+    /// While single chats send and the gate is shut, a flood's send waits for the gate, but
+    /// never for good: past BULK_MAX_WAIT it goes even though single chats keep sending
+    /// (each committing its own batch) and the gate stays shut.
+    #[tokio::test]
+    async fn a_shut_gate_holds_bulk_sends_beside_single_chats_but_never_for_good() {
+        let (pipeline, group, _dir, _switch) = large_group_behind_a_shut_gate("gate-held").await;
+        let chatter = single_chats_sending(&pipeline).await;
         let started = Instant::now();
         let flood = pipeline.call(text_send(user(1), SendTo::Conversation(group), "g-1"));
         let reply = tokio::time::timeout(Duration::from_secs(30), flood)
@@ -1112,14 +1118,7 @@ mod tests {
     #[tokio::test]
     async fn paced_bulk_work_goes_when_its_pace_ends_though_nothing_else_happens() {
         let (pipeline, group, _dir, switch) = large_group_behind_a_shut_gate("paced").await;
-        let chats = pipeline.clone();
-        let chatter = tokio::spawn(async move {
-            for i in 0.. {
-                send(&chats, 2 + i % 2, 3 - i % 2, &format!("c-{i}")).await;
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        });
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        let chatter = single_chats_sending(&pipeline).await;
         // Held by the shut gate (which the decider thus finds shut) until overdue.
         let first = pipeline
             .call(text_send(
@@ -1324,35 +1323,46 @@ mod tests {
         // The pace has passed.
         let later = now + BULK_PACE;
         assert_eq!(strained.until(later), None);
-        // The gate has not been shut lately: the machine keeps time.
-        let calm = Pacing {
-            gate_shut_at: Some(now - PACED_AFTER_SHUT),
-            ..strained
-        };
-        assert_eq!(calm.until(now), None);
-        let never = Pacing {
-            gate_shut_at: None,
-            ..strained
-        };
-        assert_eq!(never.until(now), None);
-        // No single chat sent lately: a flood alone is not paced.
-        let alone = Pacing {
-            fast_recent: false,
-            ..strained
-        };
-        assert_eq!(alone.until(now), None);
-        // Bulk work that waited BULK_MAX_WAIT goes.
-        let overdue = Pacing {
-            overdue: true,
-            ..strained
-        };
-        assert_eq!(overdue.until(now), None);
-        // No batch took bulk work yet.
-        let first = Pacing {
-            bulk_taken_at: None,
-            ..strained
-        };
-        assert_eq!(first.until(now), None);
+        let unpaced = [
+            (
+                "the gate was not shut lately: the machine keeps time",
+                Pacing {
+                    gate_shut_at: Some(now - PACED_AFTER_SHUT),
+                    ..strained
+                },
+            ),
+            (
+                "the gate was never shut",
+                Pacing {
+                    gate_shut_at: None,
+                    ..strained
+                },
+            ),
+            (
+                "no single chat sent lately: a flood alone",
+                Pacing {
+                    fast_recent: false,
+                    ..strained
+                },
+            ),
+            (
+                "bulk work that waited BULK_MAX_WAIT goes",
+                Pacing {
+                    overdue: true,
+                    ..strained
+                },
+            ),
+            (
+                "no batch took bulk work yet",
+                Pacing {
+                    bulk_taken_at: None,
+                    ..strained
+                },
+            ),
+        ];
+        for (why, pacing) in unpaced {
+            assert_eq!(pacing.until(now), None, "{why}");
+        }
     }
 
     #[test]
