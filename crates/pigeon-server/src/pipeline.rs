@@ -85,15 +85,16 @@ pub const BULK_BUDGET_BESIDE_FAST: u64 = 100;
 /// [`FAST_SENDS_RECENT`]): one send into a group of 200 rather than [`BULK_BUDGET`]'s two.
 /// Each such batch wakes every connected member at once when it is delivered; halving the
 /// burst took the single chats' p99 during `pigeon bench isolation`'s flood from 8.6-9.3 ms
-/// to 7.2-8.9 ms (four runs each, alternated), for 10-25 % fewer flood deliveries.
+/// to 7.2-8.9 ms (four runs each, alternated), for 3-25 % fewer flood deliveries.
 pub const BULK_BUDGET_WHILE_FAST: u64 = 200;
 /// While single chats send and the machine has lately been found strained (the gate was
 /// shut in the last [`PACED_AFTER_SHUT`]), a batch takes bulk work only this long after the
-/// last batch that took some. The gate reacts to lateness once single chats have felt it;
-/// the pace leaves room between a flood's deliveries before they do. In `pigeon bench
-/// isolation` the single chats' flood-phase p99 went from 7.9-9.3 ms to 6.2-7.1 ms (ratios
-/// 1.4-2.3× against 2.5-3.4×), the flood from 60 000-113 000 to 34 000-38 000 deliveries/s.
-/// A machine that keeps time is not paced, nor is a flood alone.
+/// last batch that took some (counted from its hand-over, so a longer commit covers it).
+/// The gate reacts to lateness once single chats have felt it; the pace leaves room between
+/// a flood's deliveries before they do. In `pigeon bench isolation` the single chats'
+/// flood-phase p99 went from 7.2-9.3 ms to 5.5-7.1 ms (ratios 1.4-2.6× against
+/// 2.5-3.4×), the flood from 57 000-113 000 to 28 000-41 000 deliveries/s. A machine that
+/// keeps time is not paced, nor is a flood alone, nor bulk work that is overdue.
 pub const BULK_PACE: Duration = Duration::from_millis(3);
 /// How long after the gate was last found shut bulk batches stay paced.
 pub const PACED_AFTER_SHUT: Duration = Duration::from_secs(1);
@@ -1278,14 +1279,6 @@ mod tests {
         take_with(q, bulk, BatchShare::default())
     }
 
-    fn take_overdue(q: (Queues, Senders), bulk: bool, overdue: bool) -> (usize, usize) {
-        let share = BatchShare {
-            bulk_overdue: overdue,
-            ..BatchShare::default()
-        };
-        take_with(q, bulk, share)
-    }
-
     fn take_with(
         (mut q, _open): (Queues, Senders),
         bulk: bool,
@@ -1379,7 +1372,11 @@ mod tests {
         // overdue, up to BULK_BUDGET_BESIDE_FAST: one send (the first is always allowed),
         // so a flood still moves under steady single chats.
         assert_eq!(take(queues(3, 10), true), (3, 0));
-        assert_eq!(take_overdue(queues(3, 10), true, true), (3, 1));
+        let overdue = BatchShare {
+            bulk_overdue: true,
+            ..BatchShare::default()
+        };
+        assert_eq!(take_with(queues(3, 10), true, overdue), (3, 1));
         // Beside fast commands that are not sends (cursor moves), one send too.
         let (q, open) = queues(0, 10);
         let flush = Envelope {

@@ -37,8 +37,8 @@ pub enum Durability {
     /// checkpointer syncs the WAL every 100 ms, and a journal segment is deleted only once
     /// the tables hold its batches durably. (Synced at every commit, four or more times a
     /// second under load, each of those fsyncs wrote megabytes at once, and every journal
-    /// fsync behind it on the one disk waited: the p99 of sends at 15 000-20 000/s was
-    /// 20-34 ms against 15-28 ms, and their p99.9 ~80 ms against 23-74 ms.)
+    /// fsync behind it on the one disk waited: at 15 000 sends/s the p99 was 19-52 ms in
+    /// six runs, 15-22 ms without those fsyncs; BENCHMARKS.md, sixth session.)
     Fsync,
     /// Let the OS flush the journal and the tables (`synchronous=OFF`): survives a process
     /// crash, not a power loss.
@@ -100,20 +100,11 @@ fn wal_path(db: &Path) -> PathBuf {
     PathBuf::from(p)
 }
 
-/// fdatasyncs `path` (any descriptor of a file flushes all of its written pages); a file
-/// that does not exist holds nothing to sync.
-fn sync_file(path: &Path) -> std::io::Result<()> {
-    match std::fs::File::open(path) {
-        Ok(f) => f.sync_data(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
-/// Makes everything the tables' files hold durable: the database file and its WAL.
-fn sync_tables(db: &Path) -> std::io::Result<()> {
-    sync_file(db)?;
-    sync_file(&wal_path(db))
+/// Makes everything the tables' files hold durable: the database file and its WAL, each
+/// through a descriptor of its own (any descriptor of a file flushes all of its written
+/// pages).
+fn sync_tables(db: &Path) -> Result<(), StoreError> {
+    TableFiles::new(db).sync()
 }
 
 /// The tables' files (the database and its WAL) as the checkpointer syncs them, each
@@ -207,7 +198,7 @@ impl SqliteStore {
             // The journal deletes its segments at or below the lsn the tables hold: what
             // they hold must be on the disk first (an earlier run that crashed may have
             // left its last commits in the OS's cache alone).
-            sync_tables(&path).map_err(|e| StoreError(format!("sync the tables: {e}")))?;
+            sync_tables(&path)?;
         }
         let applied = applier::applied_lsn(&writer)?;
         let journal_dir = dir.join("journal");
@@ -224,7 +215,7 @@ impl SqliteStore {
         let applied = journal.next_lsn() - 1;
         if fsync && replayed > 0 {
             // The replayed batches too, before their segments may go.
-            sync_tables(&path).map_err(|e| StoreError(format!("sync the tables: {e}")))?;
+            sync_tables(&path)?;
         }
         let writes = StoreWrites::new(writer, journal, applied, backlog_bytes, fsync);
         let handle = {
@@ -451,8 +442,7 @@ impl Store for SqliteStore {
             let path = self.inner.path.clone();
             tokio::task::spawn_blocking(move || sync_tables(&path))
                 .await
-                .map_err(err)?
-                .map_err(|e| StoreError(format!("sync the tables: {e}")))?;
+                .map_err(err)??;
         }
         Ok(())
     }
