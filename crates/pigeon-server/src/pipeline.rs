@@ -1092,6 +1092,22 @@ mod tests {
         chatter
     }
 
+    /// `n` sends at once by user 1 into `group` (client ids `{prefix}-1`...); asserts each
+    /// is acknowledged.
+    async fn flood(pipeline: &Pipeline, group: &ConversationId, prefix: &str, n: usize) {
+        let replies = futures_util::future::join_all((1..=n).map(|i| {
+            pipeline.call(text_send(
+                user(1),
+                SendTo::Conversation(group.clone()),
+                &format!("{prefix}-{i}"),
+            ))
+        }))
+        .await;
+        for reply in replies {
+            assert!(matches!(reply, Ok(Reply::SendAck(_))), "{reply:?}");
+        }
+    }
+
     /// While single chats send and the gate is shut, a flood's send waits for the gate, but
     /// never for good: past BULK_MAX_WAIT it goes even though single chats keep sending
     /// (each committing its own batch) and the gate stays shut.
@@ -1135,17 +1151,9 @@ mod tests {
         // PACED_AFTER_SHUT: six sends of cost 120 go two a batch (BULK_BUDGET_WHILE_FAST),
         // each batch BULK_PACE after the one before.
         let started = Instant::now();
-        let replies = futures_util::future::join_all((1..=6).map(|i| {
-            pipeline.call(text_send(
-                user(1),
-                SendTo::Conversation(group.clone()),
-                &format!("p-{i}"),
-            ))
-        }));
-        let replies = tokio::time::timeout(Duration::from_secs(10), replies)
+        tokio::time::timeout(Duration::from_secs(10), flood(&pipeline, &group, "p", 6))
             .await
             .expect("paced bulk work goes when its pace ends");
-        assert!(replies.iter().all(|r| matches!(r, Ok(Reply::SendAck(_)))));
         assert!(
             started.elapsed() >= BULK_PACE * 2,
             "three batches, paced: {:?}",
@@ -1164,18 +1172,8 @@ mod tests {
         // shut gate, each batch would wait BULK_MAX_WAIT (1.4 s or more in all). Ungated
         // they take tens of milliseconds; the bound leaves a loaded machine ten times that.
         let started = Instant::now();
-        let replies = futures_util::future::join_all((1..=60).map(|i| {
-            pipeline.call(text_send(
-                user(1),
-                SendTo::Conversation(group.clone()),
-                &format!("g-{i}"),
-            ))
-        }))
-        .await;
+        flood(&pipeline, &group, "g", 60).await;
         let elapsed = started.elapsed();
-        for reply in replies {
-            assert!(matches!(reply, Ok(Reply::SendAck(_))), "{reply:?}");
-        }
         assert!(
             elapsed < BULK_MAX_WAIT * 10,
             "no fast sends: the shut gate held the flood ({elapsed:?})"
