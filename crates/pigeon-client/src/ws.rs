@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
@@ -175,5 +176,19 @@ impl WsConn {
 
     pub async fn close(mut self) {
         let _ = self.stream.close(None).await;
+    }
+
+    /// Closes with code 1000 and waits, at most `wait`, for the server's reply to the close
+    /// handshake; answers its code. The server replies once it has saved this device's
+    /// acknowledged positions, so a connection opened after this returns resumes there.
+    pub async fn close_and_wait(mut self, wait: Duration) -> Option<u16> {
+        let frame = CloseFrame {
+            code: CloseCode::Normal,
+            reason: "".into(),
+        };
+        if self.stream.close(Some(frame)).await.is_err() {
+            return None;
+        }
+        self.closed(wait).await
     }
 }

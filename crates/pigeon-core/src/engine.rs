@@ -667,10 +667,9 @@ impl Engine {
                 rules::MAX_USERS_PER_REQUEST
             )));
         }
-        if let Some(unknown) = all.iter().find(|u| !self.known_users.contains(u)) {
-            return Err(DomainError::InvalidArgument(format!(
-                "user {unknown} is not registered"
-            )));
+        // `not_found`: "no such ... user" (PROTOCOL.md 1), as for a send to one.
+        if all.iter().any(|u| !self.known_users.contains(u)) {
+            return Err(DomainError::NotFound("user"));
         }
         let id = ConversationId::group(self.ids.next(now));
         let members = all
@@ -725,9 +724,7 @@ impl Engine {
                 )));
             }
             if !known.contains(&u) {
-                return Err(DomainError::InvalidArgument(format!(
-                    "user {u} is not registered"
-                )));
+                return Err(DomainError::NotFound("user"));
             }
             if !fresh.contains(&u) {
                 fresh.push(u);

@@ -60,10 +60,10 @@ pub struct ServeArgs {
     /// Most WebSocket connections held at once [default: 100000]
     #[arg(long, env = "PIGEON_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
-    /// Longest token lifetime the admin API mints, in seconds [default: 2592000]
+    /// Longest token lifetime the admin API mints, in seconds [default: 31536000, a year]
     #[arg(long, env = "PIGEON_MAX_TOKEN_TTL_SECS")]
     pub max_token_ttl_secs: Option<u64>,
-    /// Sends one user may make per second, over all their devices; 0 turns the limit off [default: 100]
+    /// Sends one user may make per second, over all their devices, with bursts of ten times that; 0 turns the limit off [default: 1000]
     #[arg(long, env = "PIGEON_SEND_RATE_PER_SEC")]
     pub send_rate_per_sec: Option<u32>,
     /// URL that gets a JSON POST for messages reaching users with no connected device
@@ -147,10 +147,10 @@ impl Default for Config {
             durability: DurabilityMode::Fsync,
             journal_backlog_kib: pigeon_store_sqlite::DEFAULT_BACKLOG_BYTES / 1024,
             max_connections: 100_000,
-            max_token_ttl_secs: 30 * 86_400,
+            max_token_ttl_secs: 365 * 86_400,
             offline_webhook_url: None,
             offline_webhook_timeout_ms: 2_000,
-            send_rate_per_sec: 100,
+            send_rate_per_sec: 1000,
         }
     }
 }
@@ -253,10 +253,10 @@ impl Config {
 
     fn check(&self) -> Result<(), ConfigError> {
         let invalid = |m: &str| Err(ConfigError::Invalid(m.to_owned()));
-        if let Some(k) = &self.admin_key
-            && k.len() < 16
-        {
-            return invalid("admin-key must be at least 16 characters");
+        // Any non-empty key is taken (the protocol sets no length; a short one is warned of
+        // at start, see `server::start`).
+        if self.admin_key.as_ref().is_some_and(|k| k.trim().is_empty()) {
+            return invalid("admin-key must not be empty");
         }
         if self.max_content_bytes == 0 || self.max_content_bytes > 1 << 20 {
             return invalid("max-content-bytes must be 1..=1048576 (a frame is at most 1 MiB)");
@@ -314,9 +314,18 @@ mod tests {
             .is_err()
         );
         let args = ServeArgs {
-            admin_key: Some("short".into()),
+            admin_key: Some(" ".into()),
             ..Default::default()
         };
         assert!(Config::resolve(&args).is_err());
+        // A short key is a weak one, not an invalid one: the protocol sets no length.
+        let args = ServeArgs {
+            admin_key: Some("secret".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            Config::resolve(&args).unwrap().admin_key.as_deref(),
+            Some("secret")
+        );
     }
 }

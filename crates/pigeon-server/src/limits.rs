@@ -13,10 +13,12 @@ pub struct RateLimits {
 }
 
 impl RateLimits {
-    /// `sends_per_sec` of 0 turns the send limit off. Bursts of twice the rate are allowed.
+    /// `sends_per_sec` of 0 turns the send limit off. Bursts of ten seconds' worth are
+    /// allowed: the limit stops a runaway client, not an application that sends a batch (the
+    /// protocol itself sets no rate).
     pub fn new(sends_per_sec: u32) -> Self {
         let sends = NonZeroU32::new(sends_per_sec).map(|rate| {
-            let burst = NonZeroU32::new(sends_per_sec.saturating_mul(2)).unwrap_or(rate);
+            let burst = NonZeroU32::new(sends_per_sec.saturating_mul(10)).unwrap_or(rate);
             RateLimiter::dashmap(Quota::per_second(rate).allow_burst(burst))
         });
         RateLimits {

@@ -87,6 +87,11 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     let (admin_key, admin_key_generated) =
         secret(&*store, "admin_key", cfg.admin_key.as_deref()).await?;
     let (token_secret, _) = secret(&*store, "token_secret", None).await?;
+    if admin_key.chars().count() < 16 {
+        tracing::warn!(
+            "the admin key is shorter than 16 characters: anyone who can reach the admin API may guess it"
+        );
+    }
     let engine_cfg = EngineConfig {
         fanout_write_max_members: cfg.fanout_write_max_members,
         recall_window_ms: (cfg.recall_window_secs as i64) * 1000,

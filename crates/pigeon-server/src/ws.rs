@@ -29,8 +29,10 @@ const MAX_READ_BYTES: usize = 2 << 20;
 const MAX_UNACKED: usize = 8192;
 /// Sends of one push before leaving it to the client's pull.
 const MAX_PUSH_TRIES: u8 = 4;
-/// Bad frames tolerated per window before the connection is closed with 1008.
-const BAD_FRAMES_PER_WINDOW: u32 = 20;
+/// Bad frames tolerated per window before the connection is closed with 1008: enough that
+/// a client checking its validation case by case on one connection is answered every time,
+/// few enough that one sending garbage in a loop is cut off within a second.
+const BAD_FRAMES_PER_WINDOW: u32 = 100;
 const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
 /// Bytes read from the socket at a time, the read buffer's capacity reserved for every
 /// connection up front: an idle connection's largest buffer. A client frame is ~100-300
@@ -131,6 +133,9 @@ struct Pending {
 /// How the connection loop ends: with a close frame, or because the peer is gone.
 enum Stop {
     Close(u16, &'static str),
+    /// The client sent a close frame: the reply goes once its cursors are saved, so a
+    /// client that waits for the close handshake and reconnects finds where it stopped.
+    ClientClosed,
     Gone,
 }
 
@@ -275,7 +280,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                     WsMessage::Text(t) => Box::pin(conn.handle_text(t.as_str())).await,
                     WsMessage::Binary(_) => conn.bad_frame(None, "binary frames are not part of pigeon.v1.json"),
                     WsMessage::Ping(_) | WsMessage::Pong(_) => Vec::new(),
-                    WsMessage::Close(_) => break Stop::Gone,
+                    WsMessage::Close(_) => break Stop::ClientClosed,
                 };
                 if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
                     for r in replies {
@@ -316,13 +321,21 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
             }
         }
     };
-    if let Stop::Close(code, reason) = stop {
-        let _ = sink.send(close(code, reason)).await;
-    }
     if let Some(room) = conn.room.take() {
         app.rooms.leave(&room, conn.conn_id);
     }
-    Box::pin(conn.flush_cursors(true)).await;
+    match stop {
+        Stop::Close(code, reason) => {
+            let _ = sink.send(close(code, reason)).await;
+            Box::pin(conn.flush_cursors(true)).await;
+        }
+        Stop::ClientClosed => {
+            Box::pin(conn.flush_cursors(true)).await;
+            // The WebSocket queued its reply to the client's close frame; closing sends it.
+            let _ = sink.close().await;
+        }
+        Stop::Gone => Box::pin(conn.flush_cursors(true)).await,
+    }
     drop(registration);
 }
 
@@ -398,8 +411,12 @@ impl Connection {
     /// Handles one text frame; returns the frames to write at once, in order.
     async fn handle_text(&mut self, text: &str) -> Vec<String> {
         if text.len() > MAX_FRAME_BYTES {
+            // Read whole (up to the 2 MiB the socket accepts), so its `req` can be echoed.
+            let req = serde_json::from_str::<FrameHead>(text)
+                .ok()
+                .and_then(|h| h.req.and_then(|r| r.as_i64()));
             return vec![
-                ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(None),
+                ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(req),
             ];
         }
         // First only what every frame has (the rest is skipped, but its syntax checked),
@@ -529,12 +546,15 @@ impl Connection {
                 .to_json(),
             ]),
             ClientFrame::RoomJoin(r) => {
-                if let Some(old) = self.room.take() {
-                    app.rooms.leave(&old, self.conn_id);
-                }
+                // A join that fails leaves the connection in the room it was in.
                 app.rooms
                     .join(&r.room_id, self.conn_id, self.outbox.clone())
                     .map_err(|_| ApiError::not_found("room"))?;
+                if let Some(old) = self.room.take()
+                    && old != r.room_id
+                {
+                    app.rooms.leave(&old, self.conn_id);
+                }
                 self.room = Some(r.room_id);
                 Ok(Vec::new())
             }
@@ -546,11 +566,17 @@ impl Connection {
                 Ok(Vec::new())
             }
             ClientFrame::RoomSend(r) => {
-                if r.content.is_empty() || r.content.len() > crate::rooms::MAX_ROOM_CONTENT {
-                    return Err(ApiError::invalid(format!(
-                        "room content must be 1..={} bytes",
-                        crate::rooms::MAX_ROOM_CONTENT
-                    )));
+                if r.content.is_empty() {
+                    return Err(ApiError::invalid("room content must not be empty"));
+                }
+                if r.content.len() > crate::rooms::MAX_ROOM_CONTENT {
+                    return Err(ApiError::new(
+                        ErrorCode::PayloadTooLarge,
+                        format!(
+                            "room content is at most {} bytes",
+                            crate::rooms::MAX_ROOM_CONTENT
+                        ),
+                    ));
                 }
                 let message = crate::rooms::room_message(self.user, r.content, now_ms());
                 app.rooms

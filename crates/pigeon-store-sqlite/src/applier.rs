@@ -201,8 +201,14 @@ impl StoreWrites {
         }
         let mut rx = self.applied.subscribe();
         let _waiting = WaitingReader::new(self);
+        let started = Instant::now();
         match tokio::time::timeout(WAIT_LIMIT, rx.wait_for(|a| *a >= target)).await {
-            Ok(Ok(_)) => Ok(()),
+            Ok(Ok(_)) => {
+                // Only reads that found the tables behind: how long the applier kept them.
+                metrics::histogram!("pigeon_read_wait_seconds")
+                    .record(started.elapsed().as_secs_f64());
+                Ok(())
+            }
             Ok(Err(_)) => Err(StoreError("the store is closed".into())),
             Err(_) => Err(StoreError(
                 "the store is behind: the tables did not catch up with the journal".into(),
@@ -260,6 +266,7 @@ impl StoreWrites {
                 taken
             };
             let last = taken.last().map(|t| t.0).expect("taken is not empty");
+            let started = Instant::now();
             loop {
                 let done = {
                     let mut conn = self.writer.lock().expect("writer lock");
@@ -279,6 +286,8 @@ impl StoreWrites {
                     }
                 }
             }
+            metrics::histogram!("pigeon_apply_seconds").record(started.elapsed().as_secs_f64());
+            metrics::histogram!("pigeon_apply_batches").record(taken.len() as f64);
             let size: usize = taken.iter().map(|t| t.2).sum();
             self.backlog.lock().expect("backlog lock").bytes -= size;
             self.room.notify_all();

@@ -143,7 +143,7 @@ async fn settings_come_from_flags_over_env_over_file() {
 async fn bad_settings_fail_loudly() {
     let dir = temp_dir("bad");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_pigeon"))
-        .args(["serve", "--admin-key", "short", "--listen", "127.0.0.1:0"])
+        .args(["serve", "--admin-key", "", "--listen", "127.0.0.1:0"])
         .current_dir(&dir)
         .output()
         .unwrap();

@@ -12,7 +12,7 @@ use crate::app::AppRef;
 use crate::auth::bearer;
 use crate::error::ApiError;
 use axum::Router;
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
@@ -133,29 +133,31 @@ impl FromRequestParts<AppRef> for Admin {
     }
 }
 
-/// A JSON body whose rejections are protocol errors.
+/// A JSON body whose rejections are protocol errors. Every body is JSON (PROTOCOL.md 1),
+/// so it is read as JSON whatever `Content-Type` says: a client that left the header out
+/// (`curl -d`, a bare `fetch`) is answered, not refused.
 pub struct ApiJson<T>(pub T);
 
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<serde_json::Value>::from_request(req, state).await {
-            Ok(axum::Json(v)) if !v.is_object() => {
-                Err(ApiError::invalid("the body must be a JSON object"))
-            }
-            Ok(axum::Json(v)) => serde_json::from_value(v)
-                .map(ApiJson)
-                .map_err(|e| ApiError::invalid(format!("bad body: {e}"))),
-            Err(JsonRejection::BytesRejection(e))
-                if e.status() == StatusCode::PAYLOAD_TOO_LARGE =>
-            {
-                Err(ApiError::new(
+        let body = match axum::body::Bytes::from_request(req, state).await {
+            Ok(b) => b,
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                return Err(ApiError::new(
                     ErrorCode::PayloadTooLarge,
                     "request body too large",
-                ))
+                ));
             }
-            Err(e) => Err(ApiError::invalid(e.body_text())),
+            Err(e) => return Err(ApiError::invalid(e.body_text())),
+        };
+        match serde_json::from_slice::<serde_json::Value>(&body) {
+            Ok(v) if !v.is_object() => Err(ApiError::invalid("the body must be a JSON object")),
+            Ok(v) => serde_json::from_value(v)
+                .map(ApiJson)
+                .map_err(|e| ApiError::invalid(format!("bad body: {e}"))),
+            Err(e) => Err(ApiError::invalid(format!("the body is not JSON: {e}"))),
         }
     }
 }

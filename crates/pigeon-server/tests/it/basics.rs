@@ -28,13 +28,21 @@ async fn health_ready_metrics_and_openapi_answer() {
         .post("/v1/messages", &text_to_user("metric", 2, "x"))
         .await
         .unwrap();
+    // A read right after it finds the tables behind (the applier gathers batches for up to
+    // 250 ms) and has them applied: the applier's and the waiting read's figures appear.
+    alice.get("/v1/conversations").await.unwrap();
     let resp = reqwest::get(format!("{}/metrics", s.base)).await.unwrap();
     assert_eq!(resp.status(), 200);
     let text = resp.text().await.unwrap();
-    assert!(
-        text.contains("pigeon_messages_stored_total") && text.contains("pigeon_batch_size_bucket"),
-        "prometheus text: {text}"
-    );
+    for name in [
+        "pigeon_messages_stored_total",
+        "pigeon_batch_size_bucket",
+        "pigeon_apply_seconds_bucket",
+        "pigeon_apply_batches_bucket",
+        "pigeon_read_wait_seconds_bucket",
+    ] {
+        assert!(text.contains(name), "{name} missing from: {text}");
+    }
     let doc = anon.get("/openapi.json").await.unwrap();
     assert_eq!(doc["openapi"], "3.0.3");
     assert!(doc["paths"]["/v1/messages"]["post"].is_object());

@@ -54,8 +54,8 @@ async fn large_groups_use_read_fanout_followed_by_conversation_seq() {
     ws.send(&json!({"type": "ack", "conversation_id": g, "seq": 2}))
         .await
         .unwrap();
-    ws.close().await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The server answers the close handshake once the ack is saved: no wait needed after.
+    assert_eq!(ws.close_and_wait(WAIT).await, Some(1000));
     let mut ws = s.ws(&t2, "d2").await;
     let r = request(&mut ws, json!({"type": "sync"}), 3).await;
     assert!(
@@ -256,9 +256,9 @@ async fn acks_move_the_device_cursor_forward_only_even_when_they_race() {
             c2
         }
     );
-    r1.close().await;
-    r2.close().await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Each connection's close handshake ends once its acks are saved.
+    assert_eq!(r1.close_and_wait(WAIT).await, Some(1000));
+    assert_eq!(r2.close_and_wait(WAIT).await, Some(1000));
     let mut ws = s.ws(&tb, "phone").await;
     let r = request(&mut ws, json!({"type": "sync"}), 1).await;
     assert_eq!(r["cursor"], 9);

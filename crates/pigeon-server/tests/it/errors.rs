@@ -80,9 +80,10 @@ async fn oversized_content_and_frames() {
         "payload_too_large"
     );
     // A frame over 1 MiB that the server still reads: payload_too_large, connection kept.
-    let frame = json!({"type": "ping", "pad": "y".repeat((1 << 20) + 10)});
+    // Its reply carries its `req`, like every reply.
+    let frame = json!({"type": "ping", "req": 9, "pad": "y".repeat((1 << 20) + 10)});
     ws.send(&frame).await.unwrap();
-    expect_error(&mut ws, "payload_too_large").await;
+    assert_eq!(expect_error(&mut ws, "payload_too_large").await["req"], 9);
     let pong = request(&mut ws, json!({"type": "ping"}), 2).await;
     assert_eq!(pong["type"], "pong");
     // A frame the server will not read whole: closed with 1009.
@@ -94,12 +95,69 @@ async fn oversized_content_and_frames() {
 #[tokio::test]
 async fn a_connection_that_keeps_sending_garbage_is_closed_with_1008() {
     let (_s, mut ws) = connected().await;
-    for _ in 0..40 {
+    // A client checking its validation case by case on one connection is answered every
+    // time: thirty refused sends, each with its error, and the connection stays.
+    for i in 0..30 {
+        let e = request(
+            &mut ws,
+            send_frame(text_to_user(&format!("self-{i}"), 111, "to myself")),
+            i,
+        )
+        .await;
+        assert_eq!(
+            (e["code"].as_str(), e["req"].as_i64()),
+            (Some("invalid_argument"), Some(i))
+        );
+    }
+    let pong = request(&mut ws, json!({"type": "ping"}), 99).await;
+    assert_eq!(pong["type"], "pong");
+    // Garbage on top (the refused sends counted too): past 100 bad frames in 10 s, 1008. No
+    // more is written than that, or the close frame could be lost to a reset.
+    for _ in 0..80 {
         if ws.send_text("garbage".into()).await.is_err() {
             break;
         }
     }
     assert_eq!(ws.closed(WAIT).await, Some(1008));
+}
+
+/// "Every body is JSON (UTF-8)" and "Unknown fields in requests are ignored": a body is read
+/// as JSON whatever its `Content-Type` says, or without one (`curl -d`, a bare `fetch`).
+#[tokio::test]
+async fn json_bodies_are_read_whatever_their_content_type_and_unknown_fields_ignored() {
+    let s = spawn_server().await;
+    let _ = s.user(111).await;
+    let _ = s.user(222).await;
+    let token = s.token(111).await;
+    let client = reqwest::Client::new();
+    for (i, content_type) in [
+        None,
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let body = json!({
+            "client_msg_id": format!("ct-{i}"),
+            "to": {"user": 222},
+            "kind": "text",
+            "content": "hi",
+            "some_future_field": {"x": 1},
+        });
+        let mut req = client
+            .post(format!("{}/v1/messages", s.base))
+            .bearer_auth(&token)
+            .body(body.to_string());
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 200, "content type {content_type:?}");
+        let ack: Value = resp.json().await.unwrap();
+        assert_eq!(ack["client_msg_id"], format!("ct-{i}"));
+        assert_eq!(ack["seq"], i as u64 + 1);
+    }
 }
 
 #[tokio::test]
@@ -238,7 +296,7 @@ async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
     let alice = s.user(1).await;
     let _ = s.user(2).await;
     let mut limited = None;
-    for i in 0..30 {
+    for i in 0..100 {
         let (status, body) = alice
             .raw(
                 reqwest::Method::POST,
@@ -253,7 +311,7 @@ async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
         }
         assert_eq!(status, 200);
     }
-    let body = limited.expect("a burst of 30 is over a limit of 5/s");
+    let body = limited.expect("a burst of 100 is over a limit of 5/s (bursts of 50)");
     assert_eq!(body["code"], "rate_limited");
     assert!(body["retry_after_ms"].as_u64().unwrap() >= 1);
     // The WebSocket path shares the user's allowance.

@@ -217,6 +217,21 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     let _erin = s.user(555).await;
     assert_eq!(code_of(invite(&alice, &id, &[555, 222]).await), "conflict");
     assert_eq!(newest_seq(&alice, &id).await, 5);
+    // A user who was never registered is `not_found` ("no such ... user"), at invitation and
+    // at creation, and nothing is appended.
+    assert_eq!(code_of(invite(&alice, &id, &[98_765]).await), "not_found");
+    assert_eq!(newest_seq(&alice, &id).await, 5);
+    assert_eq!(
+        code_of(
+            alice
+                .post(
+                    "/v1/groups",
+                    &json!({"name": "g", "members": [222, 98_765]})
+                )
+                .await
+        ),
+        "not_found"
+    );
     assert_eq!(
         roles(&alice, &id).await,
         vec![

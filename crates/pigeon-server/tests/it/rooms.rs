@@ -86,6 +86,30 @@ async fn viewers_receive_batches_and_a_user_watches_one_room_at_a_time() {
     assert_eq!(e["code"], "not_member");
     let e = request(&mut b, json!({"type": "room_join", "room_id": "r404"}), 4).await;
     assert_eq!(e["code"], "not_found");
+    // A join that failed leaves b in the room it was in: it still sends there.
+    assert_eq!(
+        s.user(3)
+            .await
+            .get(&format!("/v1/rooms/{r2}"))
+            .await
+            .unwrap()["viewers"],
+        1
+    );
+    // Content over the room limit is `payload_too_large`, empty content `invalid_argument`.
+    let e = request(
+        &mut b,
+        json!({"type": "room_send", "room_id": r2, "content": "x".repeat(1025)}),
+        5,
+    )
+    .await;
+    assert_eq!(e["code"], "payload_too_large");
+    let e = request(
+        &mut b,
+        json!({"type": "room_send", "room_id": r2, "content": ""}),
+        6,
+    )
+    .await;
+    assert_eq!(e["code"], "invalid_argument");
     // Closing a room.
     s.admin
         .delete(&format!("/v1/admin/rooms/{r2}"))
