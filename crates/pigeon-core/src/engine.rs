@@ -68,6 +68,16 @@ pub struct Engine {
 
 type Outcome = Result<Reply, DomainError>;
 
+/// The other member of the single chat a send goes to: `to.user`, or a single chat's id that
+/// names the sender. Such an id is derived, never allocated (PROTOCOL.md 1), so a send into
+/// it before the chat exists creates it, as a send to the user would.
+fn single_peer(s: &SendCommand) -> Option<UserId> {
+    match &s.to {
+        SendTo::User(peer) => Some(*peer),
+        SendTo::Conversation(c) => c.peer_of(s.sender),
+    }
+}
+
 impl Engine {
     pub fn new(cfg: EngineConfig, max_msg_id: u64) -> Self {
         Engine {
@@ -134,17 +144,18 @@ impl Engine {
                             n.dedupe.insert(key);
                         }
                     }
-                    match &s.to {
-                        SendTo::User(peer) => {
-                            if let Ok(c) = ConversationId::single(s.sender, *peer) {
+                    match (single_peer(s), &s.to) {
+                        (Some(peer), _) => {
+                            if let Ok(c) = ConversationId::single(s.sender, peer) {
                                 want_conv(&mut n, &c);
                                 if !self.conversations.contains_key(&c) {
                                     want_user(&mut n, s.sender);
-                                    want_user(&mut n, *peer);
+                                    want_user(&mut n, peer);
                                 }
                             }
                         }
-                        SendTo::Conversation(c) => want_conv(&mut n, c),
+                        (None, SendTo::Conversation(c)) => want_conv(&mut n, c),
+                        (None, SendTo::User(_)) => {}
                     }
                 }
                 Command::CreateGroup { owner, members, .. } => {
@@ -576,20 +587,21 @@ impl Engine {
                 ..ack.clone()
             }));
         }
-        let conv_id = match &s.to {
-            SendTo::User(peer) => {
-                let id = ConversationId::single(s.sender, *peer)
+        let conv_id = match (single_peer(&s), &s.to) {
+            (Some(peer), _) => {
+                let id = ConversationId::single(s.sender, peer)
                     .map_err(|e| DomainError::invalid(e.0))?;
                 if !self.conversations.contains_key(&id) {
-                    if !self.known_users.contains(peer) {
+                    if !self.known_users.contains(&peer) {
                         return Err(DomainError::NotFound("user"));
                     }
-                    self.create_single(&id, s.sender, *peer, now);
-                    self.write_member(&id, *peer, None, ch);
+                    self.create_single(&id, s.sender, peer, now);
+                    self.write_member(&id, peer, None, ch);
                 }
                 id
             }
-            SendTo::Conversation(id) => id.clone(),
+            (None, SendTo::Conversation(id)) => id.clone(),
+            (None, SendTo::User(_)) => unreachable!("a send to a user has a peer"),
         };
         let conv = self.member_conv_mut(&conv_id, s.sender)?;
         if conv.dismissed {

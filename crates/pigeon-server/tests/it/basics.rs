@@ -254,6 +254,55 @@ async fn single_chat_send_is_acked_then_pushed_to_every_device() {
     );
 }
 
+/// "The single-chat id is derived, never allocated": a member may name it in `to.conversation`
+/// before the chat has a message, and the first send creates it as `to.user` would; a user
+/// it does not name is `not_member`, and a peer who was never registered `not_found`.
+#[tokio::test]
+async fn a_single_chat_named_by_its_derived_id_is_created_by_the_first_send() {
+    let s = spawn_server().await;
+    let alice = s.user(222).await;
+    let bob = s.user(333).await;
+    let carol = s.user(444).await;
+    let t = s.token(333).await;
+    let mut bob_ws = s.ws(&t, "phone").await;
+    let ack = alice
+        .post("/v1/messages", &text_to_conv("derived-1", "222-333", "hi"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (ack["conversation_id"].as_str(), ack["seq"].as_u64()),
+        (Some("222-333"), Some(1))
+    );
+    let push = bob_ws
+        .recv_until(WAIT, |v| v["type"] == "msg")
+        .await
+        .unwrap()
+        .expect("the peer gets it");
+    assert_eq!(push["message"]["content"], "hi");
+    // The same chat whichever way it is named.
+    let ack = bob
+        .post("/v1/messages", &text_to_user("derived-2", 222, "hello"))
+        .await
+        .unwrap();
+    assert_eq!(ack["seq"], 2);
+    assert_eq!(
+        code_of(
+            carol
+                .post("/v1/messages", &text_to_conv("c", "222-333", "x"))
+                .await
+        ),
+        "not_member"
+    );
+    assert_eq!(
+        code_of(
+            carol
+                .post("/v1/messages", &text_to_conv("c2", "444-98765", "x"))
+                .await
+        ),
+        "not_found"
+    );
+}
+
 #[tokio::test]
 async fn http_send_answers_the_ack_and_the_sender_devices_get_it() {
     let s = spawn_server().await;
