@@ -248,12 +248,17 @@ impl App {
         if m.left_seq.is_some() {
             return Err(ApiError::not_member());
         }
-        let members = self.store.members(conv, None, 2000).await?;
-        let others: Vec<UserId> = members
-            .iter()
-            .map(|m| m.user_id)
-            .filter(|u| *u != user)
-            .collect();
+        let others: Vec<UserId> = match conv.peer_of(user) {
+            Some(peer) => vec![peer],
+            None => self
+                .store
+                .members(conv, None, 2000)
+                .await?
+                .iter()
+                .map(|m| m.user_id)
+                .filter(|u| *u != user)
+                .collect(),
+        };
         let frame = pigeon_proto::frames::ServerFrame::Typing {
             conversation_id: conv.clone(),
             user_id: user,

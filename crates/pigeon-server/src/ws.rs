@@ -148,6 +148,9 @@ struct Connection {
     unacked: BTreeMap<PushChain, Pending>,
     cursors: HashMap<String, u64>,
     cursors_dirty: bool,
+    /// A send was queued since the last barrier: a `sync` or `pull` after it first waits
+    /// until it is committed, so this connection's frames are handled in the order they came.
+    sent_since_barrier: bool,
     last_cursor_flush: Instant,
     last_seen: Instant,
     bad_frames: u32,
@@ -172,6 +175,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
         unacked: BTreeMap::new(),
         cursors: HashMap::new(),
         cursors_dirty: false,
+        sent_since_barrier: false,
         last_cursor_flush: now,
         last_seen: now,
         bad_frames: 0,
@@ -476,6 +480,7 @@ impl Connection {
                     req,
                 };
                 app.pipeline.submit(Command::Send(cmd), reply).await?;
+                self.sent_since_barrier = true;
                 Ok(Vec::new())
             }
             ClientFrame::Ack(a) => {
@@ -483,6 +488,7 @@ impl Connection {
                 Ok(Vec::new())
             }
             ClientFrame::Sync(f) => {
+                self.wait_for_own_sends().await;
                 self.flush_cursors(true).await;
                 let s = app.sync(self.user, &self.device, &f).await?;
                 let frame = ServerFrame::SyncResult {
@@ -494,6 +500,7 @@ impl Connection {
                 Ok(vec![frame.to_json()])
             }
             ClientFrame::Pull(f) => {
+                self.wait_for_own_sends().await;
                 self.flush_cursors(true).await;
                 let (items, has_more) = app.pull(self.user, &self.device, &f).await?;
                 Ok(vec![
@@ -525,10 +532,13 @@ impl Connection {
             }
             ClientFrame::Typing(t) => {
                 let now = Instant::now();
-                let recent = self
-                    .typing_last
-                    .get(&t.conversation_id)
-                    .is_some_and(|at| now.duration_since(*at) < Duration::from_secs(1));
+                // A group's typing reaches every member (and reads the member list): at most
+                // one a second per connection. A single chat's goes to one peer: every one.
+                let recent = t.conversation_id.is_group()
+                    && self
+                        .typing_last
+                        .get(&t.conversation_id)
+                        .is_some_and(|at| now.duration_since(*at) < Duration::from_secs(1));
                 if !recent {
                     if self.typing_last.len() > 256 {
                         self.typing_last.clear();
@@ -630,6 +640,15 @@ impl Connection {
         if seq > *e {
             *e = seq;
             self.cursors_dirty = true;
+        }
+    }
+
+    /// Waits until the sends this connection queued are committed (or refused), both tiers.
+    async fn wait_for_own_sends(&mut self) {
+        if std::mem::take(&mut self.sent_since_barrier)
+            && let Err(e) = self.app.pipeline.flush().await
+        {
+            tracing::warn!(error = %e, user = %self.user, "waiting for this connection's sends failed");
         }
     }
 

@@ -308,9 +308,17 @@ pub async fn sync(
             notified.as_mut().enable();
             let head = app.store.inbox_head(me).await?;
             if head > after || tokio::time::Instant::now() >= deadline || app.is_draining() {
-                let (items, _) = app.store.pull_inbox(me, after + 1, head, limit).await?;
+                let (items, has_more) = app.store.pull_inbox(me, after + 1, head, limit).await?;
                 let summary = app.sync(me, &device, &Default::default()).await?;
-                return Ok::<_, ApiError>(json!({"user_seq": head, "items": items, "conversations": summary.conversations}));
+                // `user_seq` is the inbox's newest, as in the WebSocket's `sync_result`; when
+                // `limit` cut the items short, `has_more` says so (the next call starts after
+                // the last item, not at `user_seq`).
+                return Ok::<_, ApiError>(json!({
+                    "user_seq": head,
+                    "items": items,
+                    "has_more": has_more,
+                    "conversations": summary.conversations,
+                }));
             }
             let _ = tokio::time::timeout_at(deadline, notified).await;
         }

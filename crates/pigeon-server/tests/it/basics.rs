@@ -254,6 +254,41 @@ async fn single_chat_send_is_acked_then_pushed_to_every_device() {
     );
 }
 
+/// "The server handles the frames of one connection in the order they arrive": a `pull` and a
+/// `sync` written right behind sends, without waiting for their acks, see those sends.
+#[tokio::test]
+async fn a_pull_right_behind_sends_on_one_connection_sees_them() {
+    let s = spawn_server().await;
+    let t = s.token(111).await;
+    let _ = s.token(222).await;
+    let mut ws = s.ws(&t, "d").await;
+    for round in 0..5u64 {
+        // Each round sends four: three before a pull, one before a sync.
+        let base = round * 4;
+        for i in 1..=3 {
+            let mut f = send_frame(text_to_user(&format!("o-{round}-{i}"), 222, "x"));
+            f["req"] = json!(base + i);
+            ws.send(&f).await.unwrap();
+        }
+        let r = request(
+            &mut ws,
+            json!({"type": "pull", "chain": "user", "from": base + 1}),
+            1000 + round as i64,
+        )
+        .await;
+        assert_eq!(
+            item_seqs(&r),
+            vec![base + 1, base + 2, base + 3],
+            "round {round}: {r}"
+        );
+        let mut f = send_frame(text_to_user(&format!("o-{round}-sync"), 222, "x"));
+        f["req"] = json!(2000 + round);
+        ws.send(&f).await.unwrap();
+        let r = request(&mut ws, json!({"type": "sync"}), 3000 + round as i64).await;
+        assert_eq!(r["user_seq"], base + 4, "round {round}: {r}");
+    }
+}
+
 /// "The single-chat id is derived, never allocated": a member may name it in `to.conversation`
 /// before the chat has a message, and the first send creates it as `to.user` would; a user
 /// it does not name is `not_member`, and a peer who was never registered `not_found`.

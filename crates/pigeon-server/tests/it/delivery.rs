@@ -366,4 +366,35 @@ async fn long_poll_answers_as_soon_as_something_arrives() {
         code_of(bob.get("/v1/sync?wait_ms=30001").await),
         "invalid_argument"
     );
+    // `limit` (default 100, at most 200) cuts the items short; `user_seq` stays the newest
+    // and `has_more` says more is waiting after the last item.
+    for i in 0..4 {
+        alice
+            .post("/v1/messages", &text_to_user(&format!("lp-{i}"), 2, "more"))
+            .await
+            .unwrap();
+    }
+    let r = bob.get("/v1/sync?user_seq=1&limit=2").await.unwrap();
+    let seqs: Vec<u64> = r["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["seq"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        (seqs, r["user_seq"].as_u64(), r["has_more"].as_bool()),
+        (vec![2, 3], Some(5), Some(true))
+    );
+    let r = bob.get("/v1/sync?user_seq=3&limit=2").await.unwrap();
+    assert_eq!(
+        (
+            r["items"].as_array().unwrap().len(),
+            r["has_more"].as_bool()
+        ),
+        (2, Some(false))
+    );
+    assert_eq!(
+        code_of(bob.get("/v1/sync?limit=0").await),
+        "invalid_argument"
+    );
 }

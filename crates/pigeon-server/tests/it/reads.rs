@@ -514,6 +514,15 @@ async fn typing_is_relayed_to_the_other_members_only() {
         .expect("typing on alice's device");
     assert_eq!(t["conversation_id"], "111-444");
     assert_eq!(t["user_id"], 444);
+    // Every typing frame of a single chat is relayed, however close together.
+    d.send(&json!({"type": "typing", "conversation_id": "111-444"}))
+        .await
+        .unwrap();
+    let again = a2
+        .recv_until(WAIT, |v| v["type"] == "typing")
+        .await
+        .unwrap();
+    assert!(again.is_some(), "the second typing frame is relayed too");
     no_frame_of(&mut b, "typing", 300).await;
     no_frame_of(&mut d, "typing", 100).await;
     // An outsider's typing reaches nobody.

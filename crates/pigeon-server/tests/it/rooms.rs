@@ -3,6 +3,17 @@
 use crate::*;
 use serde_json::json;
 
+/// How many viewers `GET /v1/rooms/{id}` counts.
+async fn viewers(s: &TestServer, room: &str) -> u64 {
+    let info = s
+        .user(3)
+        .await
+        .get(&format!("/v1/rooms/{room}"))
+        .await
+        .unwrap();
+    info["viewers"].as_u64().unwrap()
+}
+
 #[tokio::test]
 async fn viewers_receive_batches_and_a_user_watches_one_room_at_a_time() {
     let s = spawn_server().await;
@@ -59,14 +70,7 @@ async fn viewers_receive_batches_and_a_user_watches_one_room_at_a_time() {
         .await
         .unwrap();
     let _ = request(&mut b, json!({"type": "ping"}), 2).await;
-    assert_eq!(
-        s.user(3)
-            .await
-            .get(&format!("/v1/rooms/{r1}"))
-            .await
-            .unwrap()["viewers"],
-        1
-    );
+    assert_eq!(viewers(&s, &r1).await, 1);
     a.send(&json!({"type": "room_send", "room_id": r1, "content": "only a"}))
         .await
         .unwrap();
@@ -87,14 +91,7 @@ async fn viewers_receive_batches_and_a_user_watches_one_room_at_a_time() {
     let e = request(&mut b, json!({"type": "room_join", "room_id": "r404"}), 4).await;
     assert_eq!(e["code"], "not_found");
     // A join that failed leaves b in the room it was in: it still sends there.
-    assert_eq!(
-        s.user(3)
-            .await
-            .get(&format!("/v1/rooms/{r2}"))
-            .await
-            .unwrap()["viewers"],
-        1
-    );
+    assert_eq!(viewers(&s, &r2).await, 1);
     // Content over the room limit is `payload_too_large`, empty content `invalid_argument`.
     let e = request(
         &mut b,
