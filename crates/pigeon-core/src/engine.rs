@@ -331,6 +331,9 @@ impl Engine {
                         "only the owner appoints admins".into(),
                     ));
                 }
+                if conv.dismissed {
+                    return Err(DomainError::Conflict("the group was dismissed".into()));
+                }
                 let target = conv
                     .members
                     .get_mut(&user)
@@ -784,6 +787,11 @@ impl Engine {
     ) -> Outcome {
         let conv = self.group_mut(conv_id)?;
         let actor_role = role_of(conv, actor)?;
+        // A dismissed group is read-only: nobody is kicked from it or quits it (a member who
+        // no longer wants to see it hides it).
+        if conv.dismissed {
+            return Err(DomainError::Conflict("the group was dismissed".into()));
+        }
         let target_role = conv
             .members
             .get(&user)
@@ -834,6 +842,11 @@ impl Engine {
             return Err(DomainError::invalid("only user messages can be recalled"));
         }
         let conv = self.conversations.get(&conv_id).expect("visible checked");
+        if conv.dismissed {
+            return Err(DomainError::Conflict(
+                "the group was dismissed; it is read-only".into(),
+            ));
+        }
         let manager = conv.is_group && conv.members.get(&actor).is_some_and(|m| m.role.manages());
         if msg.sender != actor && !manager {
             return Err(DomainError::Forbidden(

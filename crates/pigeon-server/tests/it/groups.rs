@@ -727,7 +727,8 @@ async fn a_dismissed_group_is_read_only() {
         tokens,
         ..
     } = trio(&s).await;
-    bob.post("/v1/messages", &text_to_conv("b1", &id, "hi"))
+    let hi = bob
+        .post("/v1/messages", &text_to_conv("b1", &id, "hi"))
         .await
         .unwrap();
     let (mut a, mut b, mut c) = connect_abc(&s, &tokens).await;
@@ -758,6 +759,34 @@ async fn a_dismissed_group_is_read_only() {
     assert_eq!(code_of(invite(&bob, &id, &[444]).await), "conflict");
     let _ = s.user(444).await;
     assert_eq!(code_of(invite(&alice, &id, &[444]).await), "conflict");
+    // Read-only for every change: recall, kick, quit, admins.
+    let hi_id = hi["msg_id"].as_str().unwrap();
+    for (h, who) in [(&bob, "the sender"), (&alice, "the owner")] {
+        assert_eq!(
+            code_of(
+                h.post(&format!("/v1/messages/{hi_id}/recall"), &json!({}))
+                    .await
+            ),
+            "conflict",
+            "a recall by {who}"
+        );
+    }
+    assert_eq!(
+        code_of(alice.delete(&format!("/v1/groups/{id}/members/222")).await),
+        "conflict"
+    );
+    assert_eq!(
+        code_of(bob.delete(&format!("/v1/groups/{id}/members/222")).await),
+        "conflict"
+    );
+    assert_eq!(
+        code_of(
+            alice
+                .put(&format!("/v1/groups/{id}/admins/222"), None)
+                .await
+        ),
+        "conflict"
+    );
     // History stays readable and ends with the dismissal.
     let msgs = history_msgs(&bob, &id, "").await;
     let kinds: Vec<&str> = msgs.iter().map(|m| m["kind"].as_str().unwrap()).collect();
