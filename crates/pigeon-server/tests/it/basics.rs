@@ -131,6 +131,8 @@ async fn expired_tokens_are_refused() {
     assert_eq!(err.code(), Some("unauthorized"));
 }
 
+/// PROTOCOL.md 3 and 5: revoked tokens "stop working at once, and that user's open
+/// connections receive `kicked` and are closed".
 #[tokio::test]
 async fn logout_revokes_tokens_and_kicks_connections() {
     let s = spawn_server().await;
@@ -146,10 +148,16 @@ async fn logout_revokes_tokens_and_kicks_connections() {
         .unwrap()
         .expect("kicked frame");
     assert_eq!(kicked["reason"], "token_revoked");
-    assert!(
-        ws.closed(WAIT).await.is_some(),
-        "connection closed with a close frame"
-    );
+    // Closed with 1008 (PROTOCOL-EXTENSIONS.md), and the token's upgrade is refused with 401
+    // ("A connection that cannot authenticate is refused").
+    assert_eq!(ws.closed(WAIT).await, Some(1008));
+    match WsConn::connect(&s.ws_base, &token, "phone").await {
+        Err(pigeon_client::ClientError::Api { status, body }) => {
+            assert_eq!((status, body.code.as_str()), (401, "unauthorized"));
+        }
+        Err(e) => panic!("refused otherwise than with 401: {e}"),
+        Ok(_) => panic!("a revoked token connected"),
+    }
     let alice = s.anon().with_bearer(token.clone());
     assert_eq!(
         code_of(alice.get("/v1/conversations").await),
@@ -543,5 +551,318 @@ async fn ping_gets_pong_and_frames_are_handled_in_order() {
     seqs.sort();
     for (i, (req, seq)) in seqs.iter().enumerate() {
         assert_eq!((*req, *seq), (i as i64, i as i64 + 1));
+    }
+}
+
+/// PROTOCOL.md 6: "A user token on an admin endpoint, or a wrong admin key, answers 401
+/// `unauthorized`", for every admin endpoint, and the refused call changes nothing.
+#[tokio::test]
+async fn every_admin_endpoint_refuses_user_tokens_and_wrong_keys_with_401() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    let ack = alice
+        .post("/v1/messages", &text_to_user("keep", 222, "kept"))
+        .await
+        .unwrap();
+    let msg_id = ack["msg_id"].as_str().unwrap().to_owned();
+    let room = s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap();
+    let room_id = room["room_id"].as_str().unwrap().to_owned();
+    let wrong_key = s.anon().with_bearer(format!("{ADMIN_KEY}-not"));
+    use reqwest::Method;
+    let calls: Vec<(Method, String, Option<Value>)> = vec![
+        (
+            Method::POST,
+            "/v1/admin/users".into(),
+            Some(json!({"user_id": 111, "name": "hijacked", "avatar": ""})),
+        ),
+        (
+            Method::POST,
+            "/v1/admin/tokens".into(),
+            Some(json!({"user_id": 222, "ttl_secs": 60})),
+        ),
+        (Method::POST, "/v1/admin/users/111/logout".into(), None),
+        (Method::GET, format!("/v1/admin/messages/{msg_id}"), None),
+        (Method::DELETE, format!("/v1/admin/messages/{msg_id}"), None),
+        (Method::POST, "/v1/admin/rooms".into(), Some(json!({}))),
+        (Method::DELETE, format!("/v1/admin/rooms/{room_id}"), None),
+    ];
+    for who in [&alice, &wrong_key] {
+        for (method, path, body) in &calls {
+            let (status, answer) = who.raw(method.clone(), path, body.as_ref()).await.unwrap();
+            assert_eq!(
+                (status, answer["code"].as_str()),
+                (401, Some("unauthorized")),
+                "{method} {path}: {answer}"
+            );
+            assert!(answer["message"].is_string());
+        }
+    }
+    // Nothing was done: alice's token still works, her name and the message are untouched,
+    // the room is still open.
+    let listed = alice
+        .get("/v1/conversations")
+        .await
+        .expect("not logged out");
+    assert_eq!(
+        listed["conversations"][0]["last_message"]["content"],
+        "kept"
+    );
+    let bob = s
+        .anon()
+        .with_bearer(s.admin.mint_token(222, 60).await.unwrap());
+    assert_eq!(
+        bob.get("/v1/conversations/111-222").await.unwrap()["name"],
+        "user111"
+    );
+    assert_eq!(at_seq(&bob, "111-222", 1).await["status"], "normal");
+    assert_eq!(
+        alice.get(&format!("/v1/rooms/{room_id}")).await.unwrap()["room_id"],
+        room_id.as_str()
+    );
+}
+
+/// PROTOCOL.md 6: `POST /v1/admin/tokens` with `{"user_id","ttl_secs"}` answers
+/// `{"token":"...","expires_at":ms}`: `expires_at` is now plus `ttl_secs` in milliseconds.
+#[tokio::test]
+async fn minted_tokens_expire_ttl_secs_after_now() {
+    let s = spawn_server().await;
+    s.admin.upsert_user(111, "a").await.unwrap();
+    for ttl in [60u64, 86_400] {
+        let before = now_ms();
+        let t = s
+            .admin
+            .post(
+                "/v1/admin/tokens",
+                &json!({"user_id": 111, "ttl_secs": ttl}),
+            )
+            .await
+            .unwrap();
+        let after = now_ms();
+        assert!(t["token"].as_str().is_some_and(|t| !t.is_empty()), "{t}");
+        let exp = t["expires_at"].as_i64().expect("expires_at in ms");
+        let ttl_ms = ttl as i64 * 1000;
+        assert!(
+            (before + ttl_ms - 2000..=after + ttl_ms + 2000).contains(&exp),
+            "expires_at {exp} is {ttl} s after {before}..{after}"
+        );
+    }
+}
+
+/// PROTOCOL.md 6: `POST /v1/admin/users` answers "the user; repeat = update": a second call
+/// for the same id renames the user, and a single chat shows the peer's new name (a single
+/// chat's `name` is the peer's registered name, PROTOCOL-EXTENSIONS.md).
+#[tokio::test]
+async fn registering_a_user_again_updates_them() {
+    let s = spawn_server().await;
+    let u = s
+        .admin
+        .post(
+            "/v1/admin/users",
+            &json!({"user_id": 222, "name": "Bob", "avatar": ""}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (u["user_id"].as_u64(), u["name"].as_str()),
+        (Some(222), Some("Bob"))
+    );
+    let alice = s.user(111).await;
+    alice
+        .post("/v1/messages", &text_to_user("n1", 222, "hi bob"))
+        .await
+        .unwrap();
+    assert_eq!(
+        alice.get("/v1/conversations/111-222").await.unwrap()["name"],
+        "Bob"
+    );
+    let u = s
+        .admin
+        .post(
+            "/v1/admin/users",
+            &json!({"user_id": 222, "name": "Robert", "avatar": "https://x/r.png"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            u["user_id"].as_u64(),
+            u["name"].as_str(),
+            u["avatar"].as_str()
+        ),
+        (Some(222), Some("Robert"), Some("https://x/r.png"))
+    );
+    assert_eq!(
+        alice.get("/v1/conversations/111-222").await.unwrap()["name"],
+        "Robert"
+    );
+    let list = alice.get("/v1/conversations").await.unwrap();
+    assert_eq!(list["conversations"][0]["name"], "Robert");
+    // The update is not a new user: the chat and its history are the same.
+    assert_eq!(newest_seq(&alice, "111-222").await, 1);
+}
+
+/// PROTOCOL.md 5.1: "Sending the same `client_msg_id` again (a retry) returns the same
+/// `msg_id` and `seq` with `"duplicate":true`", over the WebSocket too, where the reply
+/// carries the retry's own `req`.
+#[tokio::test]
+async fn a_websocket_retry_answers_duplicate_with_its_own_req() {
+    let s = spawn_server().await;
+    let ta = s.token(111).await;
+    let tb = s.token(222).await;
+    let mut a = s.ws(&ta, "a").await;
+    let mut b = s.ws(&tb, "b").await;
+    let first = request(&mut a, send_frame(text_to_user("ws-same", 222, "once")), 1).await;
+    assert_eq!(
+        (first["type"].as_str(), first["duplicate"].as_bool()),
+        (Some("send_ack"), Some(false))
+    );
+    assert_eq!(next_msg(&mut b).await["message"]["content"], "once");
+    let again = request(&mut a, send_frame(text_to_user("ws-same", 222, "twice")), 2).await;
+    assert_eq!(again["type"], "send_ack", "{again}");
+    assert_eq!(again["req"], 2);
+    assert_eq!(again["duplicate"], true);
+    assert_eq!(again["client_msg_id"], "ws-same");
+    assert_eq!(again["msg_id"], first["msg_id"]);
+    assert_eq!(again["seq"], first["seq"]);
+    assert_eq!(again["conversation_id"], "111-222");
+    // Nothing new is stored or delivered.
+    assert!(
+        b.recv_until(Duration::from_millis(300), |v| v["type"] == "msg")
+            .await
+            .unwrap()
+            .is_none(),
+        "no second push"
+    );
+    let alice = s.anon().with_bearer(ta);
+    assert_eq!(newest_seq(&alice, "111-222").await, 1);
+}
+
+/// PROTOCOL.md 5: "A connection silent for more than two heartbeats is closed" (close code
+/// 1001, PROTOCOL-EXTENSIONS.md), while one that keeps talking stays open.
+#[tokio::test]
+async fn a_silent_connection_is_closed_with_1001_after_two_heartbeats() {
+    let s = spawn_with(|c| c.heartbeat_ms = 200).await;
+    let t = s.token(111).await;
+    let mut silent = s.ws(&t, "silent").await;
+    let mut talker = s.ws(&t, "talker").await;
+    assert_eq!(silent.hello["heartbeat_ms"], 200);
+    // The talker pings every half heartbeat for five heartbeats and is answered every time.
+    for i in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let pong = request(&mut talker, json!({"type": "ping"}), i).await;
+        assert_eq!(pong["type"], "pong");
+    }
+    assert_eq!(silent.closed(WAIT).await, Some(1001));
+    // Once the talker falls silent too, it goes the same way.
+    assert_eq!(talker.closed(WAIT).await, Some(1001));
+}
+
+/// PROTOCOL.md 5: "`{"type":"ping"}` gets `{"type":"pong","server_time":ms}`", a time in
+/// milliseconds since the epoch, also for a ping without `req`.
+#[tokio::test]
+async fn ping_gets_pong_with_the_server_time_in_ms() {
+    let s = spawn_server().await;
+    let t = s.token(111).await;
+    let mut ws = s.ws(&t, "d").await;
+    let before = now_ms();
+    ws.send(&json!({"type": "ping"})).await.unwrap();
+    let pong = ws
+        .recv_until(WAIT, |v| v["type"] == "pong")
+        .await
+        .unwrap()
+        .expect("pong");
+    let after = now_ms();
+    let at = pong["server_time"].as_i64().expect("server_time in ms");
+    assert!(
+        (before - 2000..=after + 2000).contains(&at),
+        "server_time {at} is now ({before}..{after}) in ms"
+    );
+}
+
+/// The test machine's clock, in milliseconds since the Unix epoch.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// PROTOCOL.md 1: "`client_msg_id`: 1-64 characters of `[A-Za-z0-9_-]`": 64 characters are
+/// taken (and echoed), 65 are `invalid_argument` over HTTP and over the WebSocket.
+#[tokio::test]
+async fn client_msg_ids_of_64_characters_are_taken_and_65_refused() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    let id64 = format!("a-_Z9{}", "x".repeat(59));
+    assert_eq!(id64.len(), 64);
+    let ack = alice
+        .post("/v1/messages", &text_to_user(&id64, 222, "long id"))
+        .await
+        .expect("64 characters are fine");
+    assert_eq!(ack["client_msg_id"], id64.as_str());
+    let id65 = "y".repeat(65);
+    let (status, body) = alice
+        .raw(
+            reqwest::Method::POST,
+            "/v1/messages",
+            Some(&text_to_user(&id65, 222, "too long")),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("invalid_argument"))
+    );
+    let t = s.token(111).await;
+    let mut ws = s.ws(&t, "d").await;
+    let ack = request(
+        &mut ws,
+        send_frame(text_to_user(&"z".repeat(64), 222, "ws")),
+        1,
+    )
+    .await;
+    assert_eq!(ack["type"], "send_ack", "{ack}");
+    let e = request(
+        &mut ws,
+        send_frame(text_to_user(&"z".repeat(65), 222, "ws")),
+        2,
+    )
+    .await;
+    assert_eq!(
+        (e["type"].as_str(), e["code"].as_str()),
+        (Some("error"), Some("invalid_argument"))
+    );
+    assert_eq!(
+        newest_seq(&alice, "111-222").await,
+        2,
+        "only the two accepted"
+    );
+}
+
+/// PROTOCOL.md 1: "`kind`, user content: `text`, `image`, `voice`, `video`, `file`,
+/// `custom`": each is stored and read back as sent, its content untouched.
+#[tokio::test]
+async fn every_user_content_kind_is_accepted() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    let kinds = ["text", "image", "voice", "video", "file", "custom"];
+    for (i, kind) in kinds.iter().enumerate() {
+        let content = format!("https://cdn.example/{kind}/{i}");
+        let ack = alice
+            .post(
+                "/v1/messages",
+                &json!({"client_msg_id": format!("k-{kind}"), "to": {"user": 222}, "kind": kind, "content": content}),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("kind {kind}: {e}"));
+        assert_eq!(ack["seq"], i as u64 + 1);
+        let m = at_seq(&bob, "111-222", i as u64 + 1).await;
+        assert_eq!(
+            (m["kind"].as_str(), m["content"].as_str()),
+            (Some(*kind), Some(content.as_str()))
+        );
     }
 }

@@ -398,3 +398,102 @@ async fn long_poll_answers_as_soon_as_something_arrives() {
         "invalid_argument"
     );
 }
+
+/// PROTOCOL.md 5.3: for a pull, "`from` defaults to the device's cursor + 1, `to` to the
+/// newest": a read fan-out group pulled with neither starts after what this device
+/// acknowledged and ends at the group's newest seq.
+#[tokio::test]
+async fn a_conversation_pull_without_from_or_to_runs_from_the_cursor_to_the_newest() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(1).await;
+    let t2 = s.token(2).await;
+    let _ = s.user(3).await;
+    let g = new_group(&owner, &[2, 3]).await;
+    for i in 1..=5 {
+        owner
+            .post("/v1/messages", &text_to_conv(&format!("p{i}"), &g, "x"))
+            .await
+            .unwrap();
+    }
+    let mut ws = s.ws(&t2, "d2").await;
+    let pull = json!({"type": "pull", "chain": "conversation", "conversation_id": g});
+    // A device that never acknowledged anything: cursor 0, so from 1.
+    let r = request(&mut ws, pull.clone(), 1).await;
+    assert_eq!(item_seqs(&r), vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(r["has_more"], false);
+    ws.send(&json!({"type": "ack", "conversation_id": g, "seq": 3}))
+        .await
+        .unwrap();
+    let r = request(&mut ws, pull.clone(), 2).await;
+    assert_eq!(item_seqs(&r), vec![4, 5, 6], "from the cursor + 1: {r}");
+    // `to` follows the newest seq as the group grows.
+    owner
+        .post("/v1/messages", &text_to_conv("p6", &g, "x"))
+        .await
+        .unwrap();
+    let r = request(&mut ws, pull.clone(), 3).await;
+    assert_eq!(item_seqs(&r), vec![4, 5, 6, 7]);
+    assert_eq!(r["has_more"], false);
+    // Another device of the same user has a cursor of its own.
+    let mut other = s.ws(&t2, "d2-other").await;
+    let r = request(&mut other, pull, 4).await;
+    assert_eq!(item_seqs(&r), (1..=7).collect::<Vec<_>>());
+}
+
+/// PROTOCOL.md 5.3: `sync_result`'s "`conversations` lists the read fan-out groups that have
+/// messages after their given (or stored) position": single chats and write fan-out groups,
+/// followed through the inbox, are left out however much they hold.
+#[tokio::test]
+async fn sync_lists_only_read_fanout_groups() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(1).await;
+    let t2 = s.token(2).await;
+    let _ = s.user(3).await;
+    let big = new_group_named(&owner, "big", &[2, 3]).await;
+    let small = new_group_named(&owner, "small", &[2]).await;
+    for (i, conv) in [&big, &small].into_iter().enumerate() {
+        owner
+            .post("/v1/messages", &text_to_conv(&format!("s{i}"), conv, "x"))
+            .await
+            .unwrap();
+    }
+    owner
+        .post("/v1/messages", &text_to_user("dm", 2, "x"))
+        .await
+        .unwrap();
+    assert_eq!(
+        owner
+            .get(&format!("/v1/conversations/{small}"))
+            .await
+            .unwrap()["fanout"],
+        "write"
+    );
+    let mut ws = s.ws(&t2, "d2").await;
+    let r = request(&mut ws, json!({"type": "sync"}), 1).await;
+    let listed: Vec<&str> = r["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["conversation_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, vec![big.as_str()], "{r}");
+    // The others are in the inbox: the small group's two messages and the single chat's one.
+    assert_eq!(r["user_seq"], 3);
+    // Asking for them by name does not list them either.
+    let r = request(
+        &mut ws,
+        json!({"type": "sync", "conversations": {small.clone(): 0, "1-2": 0}}),
+        2,
+    )
+    .await;
+    let listed: Vec<&str> = r["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["conversation_id"].as_str().unwrap())
+        .collect();
+    assert!(
+        !listed.contains(&small.as_str()) && !listed.contains(&"1-2"),
+        "{r}"
+    );
+}

@@ -327,3 +327,165 @@ async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
     let ack = request(&mut ws, send_frame(text_to_user("ws-2", 2, "x")), 2).await;
     assert_eq!(ack["type"], "send_ack", "allowed again after the hint");
 }
+
+/// Calls `method path` as `h`; answers the HTTP status with the body's `code`, so a test
+/// pins both halves of a row of the error table at once.
+async fn status_and_code(
+    h: &Http,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<&Value>,
+) -> (u16, String) {
+    let (status, body) = h.raw(method, path, body).await.expect("an answer");
+    assert!(body["message"].is_string(), "{status}: {body}");
+    (
+        status,
+        body["code"].as_str().unwrap_or("no code").to_owned(),
+    )
+}
+
+/// The error table of PROTOCOL.md 1: "`forbidden` | 403 | authenticated but not allowed",
+/// "`not_member` | 403 | the caller is not a member of that conversation", "`muted` | 403 |
+/// the caller is muted in that group" and "`conflict` | 409 | the request contradicts state
+/// (group dismissed, user already a member)": the status and the code come together.
+#[tokio::test]
+async fn forbidden_not_member_muted_and_conflict_carry_their_http_status() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    let _carol = s.user(333).await;
+    let dave = s.user(444).await;
+    let g = new_group(&alice, &[222, 333]).await;
+    let post = reqwest::Method::POST;
+
+    // A plain member updating the group: 403 forbidden.
+    assert_eq!(
+        status_and_code(
+            &bob,
+            reqwest::Method::PATCH,
+            &format!("/v1/groups/{g}"),
+            Some(&json!({"name": "mine"})),
+        )
+        .await,
+        (403, "forbidden".to_owned())
+    );
+    // A stranger writing into the group: 403 not_member.
+    assert_eq!(
+        status_and_code(
+            &dave,
+            post.clone(),
+            "/v1/messages",
+            Some(&text_to_conv("d1", &g, "let me in")),
+        )
+        .await,
+        (403, "not_member".to_owned())
+    );
+    // A muted member sending: 403 muted.
+    alice
+        .post(
+            &format!("/v1/groups/{g}/mutes"),
+            &json!({"user_id": 222, "duration_secs": 600}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        status_and_code(
+            &bob,
+            post.clone(),
+            "/v1/messages",
+            Some(&text_to_conv("b1", &g, "hello?")),
+        )
+        .await,
+        (403, "muted".to_owned())
+    );
+    // Inviting someone who is already a member: 409 conflict.
+    assert_eq!(
+        status_and_code(
+            &alice,
+            post.clone(),
+            &format!("/v1/groups/{g}/members"),
+            Some(&json!({"user_ids": [333]})),
+        )
+        .await,
+        (409, "conflict".to_owned())
+    );
+    // Sending into a dismissed group: 409 conflict.
+    alice.delete(&format!("/v1/groups/{g}")).await.unwrap();
+    assert_eq!(
+        status_and_code(
+            &alice,
+            post,
+            "/v1/messages",
+            Some(&text_to_conv("a1", &g, "anyone?")),
+        )
+        .await,
+        (409, "conflict".to_owned())
+    );
+}
+
+/// The error table of PROTOCOL.md 1: "`window_expired` | 409 | recall or edit after its time
+/// window", over HTTP for both a late edit and a late recall.
+#[tokio::test]
+async fn late_edits_and_recalls_answer_409_window_expired() {
+    let s = spawn_with(|c| {
+        c.edit_window_secs = 1;
+        c.recall_window_secs = 1;
+    })
+    .await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    let ack = alice
+        .post("/v1/messages", &text_to_user("late", 222, "first"))
+        .await
+        .unwrap();
+    let id = ack["msg_id"].as_str().unwrap().to_owned();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(
+        status_and_code(
+            &alice,
+            reqwest::Method::PATCH,
+            &format!("/v1/messages/{id}"),
+            Some(&json!({"content": "second"})),
+        )
+        .await,
+        (409, "window_expired".to_owned())
+    );
+    assert_eq!(
+        status_and_code(
+            &alice,
+            reqwest::Method::POST,
+            &format!("/v1/messages/{id}/recall"),
+            None,
+        )
+        .await,
+        (409, "window_expired".to_owned())
+    );
+}
+
+/// The error table of PROTOCOL.md 1: "`payload_too_large` | 413 | content or frame over the
+/// configured limit": content one byte over `--max-content-bytes` answers 413 over HTTP,
+/// content exactly at the limit is stored.
+#[tokio::test]
+async fn content_over_the_limit_answers_413_payload_too_large() {
+    let s = spawn_with(|c| c.max_content_bytes = 1000).await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    assert_eq!(
+        status_and_code(
+            &alice,
+            reqwest::Method::POST,
+            "/v1/messages",
+            Some(&text_to_user("big", 222, &"x".repeat(1001))),
+        )
+        .await,
+        (413, "payload_too_large".to_owned())
+    );
+    let ack = alice
+        .post(
+            "/v1/messages",
+            &text_to_user("fits", 222, &"x".repeat(1000)),
+        )
+        .await
+        .expect("content at the limit is accepted");
+    assert_eq!(ack["seq"], 1, "the refused send stored nothing");
+}

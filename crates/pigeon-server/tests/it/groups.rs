@@ -1018,3 +1018,74 @@ async fn history_after_the_removal_answers_not_member() {
         .unwrap();
     assert_eq!(r["messages"].as_array().unwrap().len(), 3);
 }
+
+/// PROTOCOL.md 6: `DELETE /v1/groups/{id}/mutes/{uid}` is for "owner, admins": a plain member
+/// lifting a mute is `forbidden` (403), and the mute stays.
+#[tokio::test]
+async fn plain_members_cannot_unmute() {
+    let s = spawn_server().await;
+    let Trio {
+        alice,
+        bob,
+        carol,
+        id,
+        ..
+    } = trio(&s).await;
+    alice
+        .post(
+            &format!("/v1/groups/{id}/mutes"),
+            &json!({"user_id": 222, "duration_secs": 600}),
+        )
+        .await
+        .unwrap();
+    let seq = newest_seq(&alice, &id).await;
+    for who in [&carol, &bob] {
+        let (status, body) = who
+            .raw(
+                reqwest::Method::DELETE,
+                &format!("/v1/groups/{id}/mutes/222"),
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!((status, body["code"].as_str()), (403, Some("forbidden")));
+    }
+    assert!(member(&alice, &id, 222).await["muted_until"].is_i64());
+    assert_eq!(newest_seq(&alice, &id).await, seq, "no member_unmuted");
+    assert_eq!(
+        code_of(
+            bob.post("/v1/messages", &text_to_conv("b1", &id, "free?"))
+                .await
+        ),
+        "muted"
+    );
+}
+
+/// PROTOCOL.md 6: `PATCH /v1/groups/{id}` takes `{"name","notice","avatar"}` (any of them),
+/// and "`group_updated`: the changed fields": a body with none of them has nothing to change
+/// and answers 400 `invalid_argument`, and no `group_updated` is appended.
+#[tokio::test]
+async fn a_group_update_with_nothing_to_change_is_invalid() {
+    let s = spawn_server().await;
+    let Trio { alice, id, .. } = trio(&s).await;
+    for body in [json!({}), json!({"colour": "blue"})] {
+        let (status, answer) = alice
+            .raw(
+                reqwest::Method::PATCH,
+                &format!("/v1/groups/{id}"),
+                Some(&body),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, answer["code"].as_str()),
+            (400, Some("invalid_argument")),
+            "{body}"
+        );
+    }
+    assert_eq!(newest_seq(&alice, &id).await, 1, "nothing appended");
+    assert_eq!(
+        alice.get(&format!("/v1/conversations/{id}")).await.unwrap()["name"],
+        "team"
+    );
+}

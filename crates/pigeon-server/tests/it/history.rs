@@ -217,3 +217,120 @@ async fn pull_returns_complete_ranges_with_has_more() {
     assert_eq!(r["items"].as_array().unwrap().len(), 3);
     assert_eq!(r["has_more"], true);
 }
+
+/// PROTOCOL.md 6: `GET /v1/conversations/{id}/messages` takes "`?limit=20` (default 20, at
+/// most 100)": without `limit` the newest 20 come back, and a larger `limit` is cut to 100.
+#[tokio::test]
+async fn history_limit_defaults_to_20_and_is_capped_at_100() {
+    let (_s, alice) = conversation_with(120).await;
+    let page = history_page(&alice, "111-222", "").await;
+    assert_eq!(page_seqs(&page), (101..=120).collect::<Vec<_>>());
+    assert_eq!(page["has_more"], true);
+    for limit in [100, 101, 1000] {
+        let page = history_page(&alice, "111-222", &format!("?limit={limit}")).await;
+        assert_eq!(
+            page_seqs(&page),
+            (21..=120).collect::<Vec<_>>(),
+            "limit={limit}"
+        );
+        assert_eq!(page["has_more"], true, "limit={limit}");
+    }
+    let page = history_page(&alice, "111-222", "?after=0&limit=500").await;
+    assert_eq!(page_seqs(&page), (1..=100).collect::<Vec<_>>());
+    assert_eq!(page["has_more"], true);
+}
+
+/// PROTOCOL.md 6: `/messages/range` is inclusive and "a wider range than 200 is
+/// `invalid_argument`": exactly 200 wide is answered whole, 201 wide is refused.
+#[tokio::test]
+async fn a_range_of_exactly_200_is_answered_and_201_is_invalid() {
+    let (_s, alice) = conversation_with(201).await;
+    let base = "/v1/conversations/111-222/messages/range";
+    let r = alice.get(&format!("{base}?from=1&to=200")).await.unwrap();
+    assert_eq!(page_seqs(&r), (1..=200).collect::<Vec<_>>());
+    let r = alice.get(&format!("{base}?from=2&to=201")).await.unwrap();
+    assert_eq!(page_seqs(&r), (2..=201).collect::<Vec<_>>());
+    for (from, to) in [(1, 201), (2, 202)] {
+        let (status, body) = alice
+            .raw(
+                reqwest::Method::GET,
+                &format!("{base}?from={from}&to={to}"),
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (400, Some("invalid_argument")),
+            "{from}..={to}"
+        );
+    }
+}
+
+/// PROTOCOL.md 5.3: a pull's "`limit` defaults to 100 and is capped at 200", on both chains.
+#[tokio::test]
+async fn pull_limit_defaults_to_100_and_is_capped_at_200() {
+    let (s, _alice) = conversation_with(201).await;
+    let tb = s.token(222).await;
+    let mut ws = s.ws(&tb, "b").await;
+    for (i, chain) in [
+        json!({"chain": "user"}),
+        json!({"chain": "conversation", "conversation_id": "111-222"}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let req = i as i64 * 10;
+        let mut pull = chain.clone();
+        pull["type"] = json!("pull");
+        pull["from"] = json!(1);
+        let r = request(&mut ws, pull.clone(), req + 1).await;
+        assert_eq!(item_seqs(&r), (1..=100).collect::<Vec<_>>(), "{chain}");
+        assert_eq!(r["has_more"], true, "{chain}");
+        for limit in [200, 201, 10_000] {
+            pull["limit"] = json!(limit);
+            let r = request(&mut ws, pull.clone(), req + 2).await;
+            assert_eq!(
+                item_seqs(&r),
+                (1..=200).collect::<Vec<_>>(),
+                "{chain} limit {limit}"
+            );
+            assert_eq!(r["has_more"], true, "{chain} limit {limit}");
+        }
+    }
+}
+
+/// PROTOCOL.md 5.3: "`has_more` is true when the chain holds more after the last item, up to
+/// `to`": messages after `to` do not count.
+#[tokio::test]
+async fn pull_has_more_only_counts_what_lies_up_to_to() {
+    let (s, _alice) = conversation_with(20).await;
+    let tb = s.token(222).await;
+    let mut ws = s.ws(&tb, "b").await;
+    for (i, chain) in [
+        json!({"chain": "user"}),
+        json!({"chain": "conversation", "conversation_id": "111-222"}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let req = i as i64 * 10;
+        let mut pull = chain.clone();
+        pull["type"] = json!("pull");
+        pull["from"] = json!(1);
+        pull["to"] = json!(10);
+        let r = request(&mut ws, pull.clone(), req + 1).await;
+        assert_eq!(item_seqs(&r), (1..=10).collect::<Vec<_>>(), "{chain}");
+        assert_eq!(r["has_more"], false, "more after `to` is not more: {chain}");
+        // Cut short by `limit` before `to`: there is more up to `to`.
+        pull["limit"] = json!(5);
+        let r = request(&mut ws, pull.clone(), req + 2).await;
+        assert_eq!(item_seqs(&r), (1..=5).collect::<Vec<_>>(), "{chain}");
+        assert_eq!(r["has_more"], true, "{chain}");
+        // Exactly up to `to`: nothing more up to it.
+        pull["limit"] = json!(10);
+        let r = request(&mut ws, pull.clone(), req + 3).await;
+        assert_eq!(item_seqs(&r), (1..=10).collect::<Vec<_>>(), "{chain}");
+        assert_eq!(r["has_more"], false, "{chain}");
+    }
+}

@@ -675,3 +675,41 @@ async fn random_traffic_leaves_the_expected_unread_counts() {
     }
     assert!(checked >= 6, "enough conversations took part: {checked}");
 }
+
+/// PROTOCOL.md 5.4: the server tells "the user's own other devices (all of them, when the
+/// read came over HTTP)": a read sent over a WebSocket reaches the reader's other device
+/// and the peer, but not the connection it came from.
+#[tokio::test]
+async fn the_device_that_sent_a_read_gets_no_receipt_of_it() {
+    let s = spawn_server().await;
+    let (ta, tb) = (s.token(111).await, s.token(222).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    send_n(&alice, 222, "m", 3).await;
+    let mut a = s.ws(&ta, "a-phone").await;
+    let mut b1 = s.ws(&tb, "b-phone").await;
+    let mut b2 = s.ws(&tb, "b-laptop").await;
+    b1.send(&json!({"type": "read", "conversation_id": "111-222", "seq": 2}))
+        .await
+        .unwrap();
+    receipt(&mut b2, "111-222", 222, 2).await;
+    receipt(&mut a, "111-222", 222, 2).await;
+    // Everything b1 is told up to the answer of a later ping: no receipt among it.
+    b1.send(&json!({"type": "ping", "req": 7})).await.unwrap();
+    loop {
+        let v = b1
+            .recv(WAIT)
+            .await
+            .unwrap()
+            .expect("a frame before the pong");
+        assert_ne!(v["type"], "receipt", "the reading device got {v}");
+        if v["type"] == "pong" {
+            break;
+        }
+    }
+    no_frame_of(&mut b1, "receipt", 300).await;
+    // The mark did move for the user.
+    assert_eq!(
+        conv(&s.anon().with_bearer(tb), "111-222").await["last_read_seq"],
+        2
+    );
+}
