@@ -695,7 +695,9 @@ impl Engine {
                 } else {
                     Role::Member
                 };
-                (*u, MemberState::joined(role, 1, 0, now))
+                // Joined with the creation message (seq 1), which each has read: "a member
+                // who joins a group has read everything sent before they joined".
+                (*u, MemberState::joined(role, 1, 1, now))
             })
             .collect();
         self.conversations.insert(

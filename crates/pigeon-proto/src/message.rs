@@ -113,15 +113,62 @@ pub struct Message {
 }
 
 impl Message {
-    /// The message as `reader` sees it: recalled and deleted messages carry no content, and
-    /// a message the reader deleted for themself reads as `deleted`.
+    /// The message as `reader` sees it: recalled and deleted messages carry nothing of what
+    /// was said (no content, no `extra`, which holds a custom or media message's payload, no
+    /// mentions; the original stays for the admin's audit), and a message the reader deleted
+    /// for themself reads as `deleted`.
     pub fn redacted(mut self, hidden_for_reader: bool) -> Self {
         if hidden_for_reader {
             self.status = MessageStatus::Deleted;
         }
         if self.status != MessageStatus::Normal {
             self.content.clear();
+            self.extra = serde_json::Value::Null;
+            self.mentions.clear();
         }
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn custom(status: MessageStatus) -> Message {
+        Message {
+            msg_id: MsgId::new(7).unwrap(),
+            conversation_id: "1-2".into(),
+            seq: 1,
+            sender: UserId::new(1).unwrap(),
+            client_msg_id: Some("c".into()),
+            kind: MessageKind::Custom,
+            content: "card".into(),
+            extra: serde_json::json!({"order": 42}),
+            reply_to: None,
+            mentions: vec![2],
+            status,
+            version: 1,
+            created_at: 0,
+            edited_at: None,
+        }
+    }
+
+    #[test]
+    fn a_recalled_or_deleted_message_reads_without_anything_that_was_said() {
+        for (status, hidden) in [
+            (MessageStatus::Recalled, false),
+            (MessageStatus::Deleted, false),
+            (MessageStatus::Normal, true),
+        ] {
+            let m = custom(status).redacted(hidden);
+            assert_eq!(
+                (m.content.as_str(), &m.extra, m.mentions.len()),
+                ("", &serde_json::Value::Null, 0),
+                "{status:?} hidden={hidden}"
+            );
+        }
+        let m = custom(MessageStatus::Normal).redacted(false);
+        assert_eq!((m.content.as_str(), m.mentions.len()), ("card", 1));
+        assert_eq!(m.extra["order"], 42);
     }
 }

@@ -25,8 +25,14 @@ pub struct SendRequest {
     pub extra: serde_json::Value,
     #[serde(default)]
     pub reply_to: Option<MsgId>,
-    #[serde(default)]
+    /// `null` reads as none, like `extra` and `reply_to` (a client may send every field of
+    /// the message object, empty ones as `null`).
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub mentions: Vec<u64>,
+}
+
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+    Ok(Option::<Vec<u64>>::deserialize(d)?.unwrap_or_default())
 }
 
 /// What a durable send answers.

@@ -158,6 +158,17 @@ async fn json_bodies_are_read_whatever_their_content_type_and_unknown_fields_ign
         assert_eq!(ack["client_msg_id"], format!("ct-{i}"));
         assert_eq!(ack["seq"], i as u64 + 1);
     }
+    // Every optional field of the message object given as `null` reads as absent.
+    let alice = s.user(111).await;
+    let ack = alice
+        .post(
+            "/v1/messages",
+            &json!({"client_msg_id": "nulls", "to": {"user": 222}, "kind": "text", "content": "n",
+                    "extra": null, "reply_to": null, "mentions": null}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ack["seq"], 4);
 }
 
 #[tokio::test]

@@ -148,6 +148,19 @@ async fn any_member_invites_and_every_member_hears_of_it() {
     let bob = s.anon().with_bearer(tb.clone());
     let carol = s.anon().with_bearer(tc.clone());
     let id = new_group(&alice, &[222]).await;
+    // Every initial member starts having read the group's newest seq, its creation (1).
+    for h in [&alice, &bob] {
+        let cv = h.get(&format!("/v1/conversations/{id}")).await.unwrap();
+        assert_eq!(
+            (
+                cv["seq"].as_u64(),
+                cv["last_read_seq"].as_u64(),
+                cv["unread"].as_u64()
+            ),
+            (Some(1), Some(1), Some(0)),
+            "{cv}"
+        );
+    }
     for i in 0..3 {
         alice
             .post(
