@@ -158,6 +158,20 @@ async fn json_bodies_are_read_whatever_their_content_type_and_unknown_fields_ign
         assert_eq!(ack["client_msg_id"], format!("ct-{i}"));
         assert_eq!(ack["seq"], i as u64 + 1);
     }
+    // A body over the server's body limit is `payload_too_large` (413), whatever its type.
+    let resp = client
+        .post(format!("{}/v1/messages", s.base))
+        .bearer_auth(&token)
+        .body(format!(
+            r#"{{"pad":"{}"}}"#,
+            "p".repeat((1 << 20) + 100 * 1024)
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 413);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["code"], "payload_too_large");
     // Every optional field of the message object given as `null` reads as absent.
     let alice = s.user(111).await;
     let ack = alice
