@@ -256,34 +256,58 @@ impl Pipeline {
     /// Waits until everything queued before the call, in both queues, is committed (or
     /// refused).
     pub async fn flush(&self) -> Result<(), PipelineError> {
-        let (fast_tx, fast_rx) = oneshot::channel();
-        let (bulk_tx, bulk_rx) = oneshot::channel();
-        for (queue, tx) in [(&self.tx, fast_tx), (&self.bulk_tx, bulk_tx)] {
-            queue
+        self.flush_tiers(&[Tier::Fast, Tier::Bulk]).await
+    }
+
+    /// Waits until everything queued before the call in the queues of `tiers` is committed
+    /// (or refused).
+    pub async fn flush_tiers(&self, tiers: &[Tier]) -> Result<(), PipelineError> {
+        let mut answers = Vec::with_capacity(tiers.len());
+        for tier in tiers {
+            let (tx, rx) = oneshot::channel();
+            self.queue(*tier)
                 .send(Envelope {
                     cmd: Command::Flush,
                     reply: ReplyTo::Caller(tx),
                 })
                 .await
                 .map_err(|_| PipelineError::Unavailable)?;
+            answers.push(rx);
         }
-        for rx in [fast_rx, bulk_rx] {
+        for rx in answers {
             rx.await.map_err(|_| PipelineError::Unavailable)??;
         }
         Ok(())
     }
 
-    /// Queues a command; waits only while the queue is full.
-    pub async fn submit(&self, cmd: Command, reply: ReplyTo) -> Result<(), PipelineError> {
-        if large_cost(&self.large, &cmd).is_some() {
-            &self.bulk_tx
+    /// Queues a command; waits only while the queue is full. Answers the queue it went to.
+    pub async fn submit(&self, cmd: Command, reply: ReplyTo) -> Result<Tier, PipelineError> {
+        let tier = if large_cost(&self.large, &cmd).is_some() {
+            Tier::Bulk
         } else {
-            &self.tx
-        }
-        .send(Envelope { cmd, reply })
-        .await
-        .map_err(|_| PipelineError::Unavailable)
+            Tier::Fast
+        };
+        self.queue(tier)
+            .send(Envelope { cmd, reply })
+            .await
+            .map_err(|_| PipelineError::Unavailable)?;
+        Ok(tier)
     }
+
+    fn queue(&self, tier: Tier) -> &mpsc::Sender<Envelope> {
+        match tier {
+            Tier::Fast => &self.tx,
+            Tier::Bulk => &self.bulk_tx,
+        }
+    }
+}
+
+/// The two queues of the decider: single chats and small groups, and sends into
+/// conversations that have had more than [`LARGE_TIER_MEMBERS`] members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Fast,
+    Bulk,
 }
 
 /// Conversations with more members than this are delivered by the bulk task, so that a

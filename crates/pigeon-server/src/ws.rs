@@ -7,7 +7,7 @@ use crate::app::AppRef;
 use crate::auth::bearer;
 use crate::error::ApiError;
 use crate::hub::{KillReason, Outbox, Outgoing, PushChain};
-use crate::pipeline::{ReplyTo, now_ms};
+use crate::pipeline::{ReplyTo, Tier, now_ms};
 use axum::extract::ws::{CloseFrame, Message as WsMessage, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, header};
@@ -148,9 +148,10 @@ struct Connection {
     unacked: BTreeMap<PushChain, Pending>,
     cursors: HashMap<String, u64>,
     cursors_dirty: bool,
-    /// A send was queued since the last barrier: a `sync` or `pull` after it first waits
-    /// until it is committed, so this connection's frames are handled in the order they came.
-    sent_since_barrier: bool,
+    /// The queues this connection's sends went to since the last barrier: a `sync` or `pull`
+    /// after them first waits until they are committed, so this connection's frames are
+    /// handled in the order they came (a flood queued in the other tier is not waited for).
+    sent_since_barrier: Vec<Tier>,
     last_cursor_flush: Instant,
     last_seen: Instant,
     bad_frames: u32,
@@ -175,7 +176,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
         unacked: BTreeMap::new(),
         cursors: HashMap::new(),
         cursors_dirty: false,
-        sent_since_barrier: false,
+        sent_since_barrier: Vec::new(),
         last_cursor_flush: now,
         last_seen: now,
         bad_frames: 0,
@@ -479,8 +480,10 @@ impl Connection {
                     outbox: self.outbox.clone(),
                     req,
                 };
-                app.pipeline.submit(Command::Send(cmd), reply).await?;
-                self.sent_since_barrier = true;
+                let tier = app.pipeline.submit(Command::Send(cmd), reply).await?;
+                if !self.sent_since_barrier.contains(&tier) {
+                    self.sent_since_barrier.push(tier);
+                }
                 Ok(Vec::new())
             }
             ClientFrame::Ack(a) => {
@@ -643,10 +646,11 @@ impl Connection {
         }
     }
 
-    /// Waits until the sends this connection queued are committed (or refused), both tiers.
+    /// Waits until the sends this connection queued are committed (or refused).
     async fn wait_for_own_sends(&mut self) {
-        if std::mem::take(&mut self.sent_since_barrier)
-            && let Err(e) = self.app.pipeline.flush().await
+        let tiers = std::mem::take(&mut self.sent_since_barrier);
+        if !tiers.is_empty()
+            && let Err(e) = self.app.pipeline.flush_tiers(&tiers).await
         {
             tracing::warn!(error = %e, user = %self.user, "waiting for this connection's sends failed");
         }
