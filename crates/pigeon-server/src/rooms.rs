@@ -21,15 +21,35 @@ pub const MAX_ROOM_CONTENT: usize = 1024;
 
 #[derive(Default)]
 struct Room {
-    viewers: HashMap<u64, Outbox>,
+    /// Each watching connection, with its user.
+    viewers: HashMap<u64, (UserId, Outbox)>,
     pending: Vec<RoomMessage>,
     recent: VecDeque<RoomMessage>,
+}
+
+#[derive(Default)]
+struct State {
+    rooms: HashMap<String, Room>,
+    /// The connections of each user that watch a room, and which: "a user is in at most one
+    /// room at a time", so a join by any of their connections leaves the others' rooms.
+    watching: HashMap<UserId, Vec<(u64, String)>>,
+}
+
+impl State {
+    fn forget(&mut self, user: UserId, conn: u64, id: &str) {
+        if let Some(w) = self.watching.get_mut(&user) {
+            w.retain(|(c, r)| !(*c == conn && r == id));
+            if w.is_empty() {
+                self.watching.remove(&user);
+            }
+        }
+    }
 }
 
 /// Every live room of this node.
 #[derive(Default)]
 pub struct Rooms {
-    rooms: Mutex<HashMap<String, Room>>,
+    state: Mutex<State>,
     next: AtomicU64,
 }
 
@@ -43,48 +63,72 @@ pub enum RoomError {
 
 impl Rooms {
     pub fn create(&self, now_ms: i64) -> Result<String, RoomError> {
-        let mut rooms = self.rooms.lock().expect("rooms lock");
-        if rooms.len() >= MAX_ROOMS {
+        let mut st = self.state.lock().expect("rooms lock");
+        if st.rooms.len() >= MAX_ROOMS {
             return Err(RoomError::TooMany);
         }
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let id = format!("r{}{n}", now_ms.max(0));
-        rooms.insert(id.clone(), Room::default());
+        st.rooms.insert(id.clone(), Room::default());
         Ok(id)
     }
 
     /// Closes a room; its viewers are told with a `room_closed` frame (an extension).
     pub fn close(&self, id: &str) -> Result<(), RoomError> {
-        let room = self
-            .rooms
-            .lock()
-            .expect("rooms lock")
-            .remove(id)
-            .ok_or(RoomError::NotFound)?;
+        let room = {
+            let mut st = self.state.lock().expect("rooms lock");
+            let room = st.rooms.remove(id).ok_or(RoomError::NotFound)?;
+            for (conn, (user, _)) in &room.viewers {
+                st.forget(*user, *conn, id);
+            }
+            room
+        };
         let frame = serde_json::json!({"type": "room_closed", "room_id": id}).to_string();
-        for outbox in room.viewers.values() {
+        for (_, outbox) in room.viewers.values() {
             outbox.send(Outgoing::Frame(frame.clone().into()));
         }
         Ok(())
     }
 
-    /// Adds connection `conn` to room `id`.
-    pub fn join(&self, id: &str, conn: u64, outbox: Outbox) -> Result<(), RoomError> {
-        let mut rooms = self.rooms.lock().expect("rooms lock");
-        let room = rooms.get_mut(id).ok_or(RoomError::NotFound)?;
-        room.viewers.insert(conn, outbox);
+    /// Adds connection `conn` of `user` to room `id`; every connection of `user` that
+    /// watched another room leaves it.
+    pub fn join(&self, id: &str, user: UserId, conn: u64, outbox: Outbox) -> Result<(), RoomError> {
+        let mut st = self.state.lock().expect("rooms lock");
+        if !st.rooms.contains_key(id) {
+            return Err(RoomError::NotFound);
+        }
+        let elsewhere: Vec<(u64, String)> = st
+            .watching
+            .get(&user)
+            .map(|w| w.iter().filter(|(_, r)| r != id).cloned().collect())
+            .unwrap_or_default();
+        for (c, r) in elsewhere {
+            if let Some(room) = st.rooms.get_mut(&r) {
+                room.viewers.remove(&c);
+            }
+            st.forget(user, c, &r);
+        }
+        let w = st.watching.entry(user).or_default();
+        if !w.iter().any(|(c, _)| *c == conn) {
+            w.push((conn, id.to_owned()));
+        }
+        if let Some(room) = st.rooms.get_mut(id) {
+            room.viewers.insert(conn, (user, outbox));
+        }
         Ok(())
     }
 
-    pub fn leave(&self, id: &str, conn: u64) {
-        if let Some(room) = self.rooms.lock().expect("rooms lock").get_mut(id) {
+    pub fn leave(&self, id: &str, user: UserId, conn: u64) {
+        let mut st = self.state.lock().expect("rooms lock");
+        if let Some(room) = st.rooms.get_mut(id) {
             room.viewers.remove(&conn);
         }
+        st.forget(user, conn, id);
     }
 
     pub fn send(&self, id: &str, conn: u64, message: RoomMessage) -> Result<(), RoomError> {
-        let mut rooms = self.rooms.lock().expect("rooms lock");
-        let room = rooms.get_mut(id).ok_or(RoomError::NotFound)?;
+        let mut st = self.state.lock().expect("rooms lock");
+        let room = st.rooms.get_mut(id).ok_or(RoomError::NotFound)?;
         if !room.viewers.contains_key(&conn) {
             return Err(RoomError::NotJoined);
         }
@@ -98,8 +142,8 @@ impl Rooms {
 
     /// `(viewers, recent)` of a room.
     pub fn info(&self, id: &str) -> Option<(usize, Vec<RoomMessage>)> {
-        let rooms = self.rooms.lock().expect("rooms lock");
-        rooms
+        let st = self.state.lock().expect("rooms lock");
+        st.rooms
             .get(id)
             .map(|r| (r.viewers.len(), r.recent.iter().cloned().collect()))
     }
@@ -108,8 +152,8 @@ impl Rooms {
     pub fn flush(&self) {
         let mut out: Vec<(String, Vec<RoomMessage>, Vec<Outbox>)> = Vec::new();
         {
-            let mut rooms = self.rooms.lock().expect("rooms lock");
-            for (id, room) in rooms.iter_mut() {
+            let mut st = self.state.lock().expect("rooms lock");
+            for (id, room) in st.rooms.iter_mut() {
                 if room.pending.is_empty() {
                     continue;
                 }
@@ -120,7 +164,8 @@ impl Rooms {
                     }
                     room.recent.push_back(m.clone());
                 }
-                out.push((id.clone(), batch, room.viewers.values().cloned().collect()));
+                let viewers = room.viewers.values().map(|(_, o)| o.clone()).collect();
+                out.push((id.clone(), batch, viewers));
             }
         }
         // Frames are built and queued outside the lock.

@@ -327,7 +327,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
         }
     };
     if let Some(room) = conn.room.take() {
-        app.rooms.leave(&room, conn.conn_id);
+        app.rooms.leave(&room, conn.user, conn.conn_id);
     }
     match stop {
         Stop::Close(code, reason) => {
@@ -561,19 +561,19 @@ impl Connection {
             ClientFrame::RoomJoin(r) => {
                 // A join that fails leaves the connection in the room it was in.
                 app.rooms
-                    .join(&r.room_id, self.conn_id, self.outbox.clone())
+                    .join(&r.room_id, self.user, self.conn_id, self.outbox.clone())
                     .map_err(|_| ApiError::not_found("room"))?;
                 if let Some(old) = self.room.take()
                     && old != r.room_id
                 {
-                    app.rooms.leave(&old, self.conn_id);
+                    app.rooms.leave(&old, self.user, self.conn_id);
                 }
                 self.room = Some(r.room_id);
                 Ok(Vec::new())
             }
             ClientFrame::RoomLeave(r) => {
                 if self.room.as_deref() == Some(r.room_id.as_str()) {
-                    app.rooms.leave(&r.room_id, self.conn_id);
+                    app.rooms.leave(&r.room_id, self.user, self.conn_id);
                     self.room = None;
                 }
                 Ok(Vec::new())

@@ -121,3 +121,58 @@ async fn viewers_receive_batches_and_a_user_watches_one_room_at_a_time() {
         "unauthorized"
     );
 }
+
+/// "A user is in at most one room at a time (joining another leaves the first)": across the
+/// user's connections too. A room closed while watched leaves nothing behind.
+#[tokio::test]
+async fn a_user_with_two_connections_is_in_one_room() {
+    let s = spawn_server().await;
+    let room = || async {
+        s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (r1, r2) = (room().await, room().await);
+    let t = s.token(7).await;
+    let mut phone = s.ws(&t, "phone").await;
+    let mut laptop = s.ws(&t, "laptop").await;
+    phone
+        .send(&json!({"type": "room_join", "room_id": r1}))
+        .await
+        .unwrap();
+    let _ = request(&mut phone, json!({"type": "ping"}), 1).await;
+    assert_eq!((viewers(&s, &r1).await, viewers(&s, &r2).await), (1, 0));
+    // The laptop joins another room: the user leaves the first, on the phone too.
+    laptop
+        .send(&json!({"type": "room_join", "room_id": r2}))
+        .await
+        .unwrap();
+    let _ = request(&mut laptop, json!({"type": "ping"}), 2).await;
+    assert_eq!((viewers(&s, &r1).await, viewers(&s, &r2).await), (0, 1));
+    let e = request(
+        &mut phone,
+        json!({"type": "room_send", "room_id": r1, "content": "still here?"}),
+        3,
+    )
+    .await;
+    assert_eq!(e["code"], "not_member");
+    // Both connections in the same room are still one user in one room.
+    phone
+        .send(&json!({"type": "room_join", "room_id": r2}))
+        .await
+        .unwrap();
+    let _ = request(&mut phone, json!({"type": "ping"}), 4).await;
+    assert_eq!(viewers(&s, &r2).await, 2);
+    // Closing the room the user watches, then joining the other one, works as from scratch.
+    s.admin
+        .delete(&format!("/v1/admin/rooms/{r2}"))
+        .await
+        .expect("room closed");
+    phone
+        .send(&json!({"type": "room_join", "room_id": r1}))
+        .await
+        .unwrap();
+    let _ = request(&mut phone, json!({"type": "ping"}), 5).await;
+    assert_eq!(viewers(&s, &r1).await, 1);
+}
