@@ -51,12 +51,22 @@ pub struct SqliteStore {
     inner: Arc<Inner>,
 }
 
+/// A batch to make durable, and where to say how that went.
+type JournalJob = (
+    Changes,
+    tokio::sync::oneshot::Sender<Result<(), StoreError>>,
+);
+
 struct Inner {
     path: PathBuf,
     /// Durability `fsync`: the few settings written outside the journal (`meta_set`) are
     /// synced as they are written.
     fsync: bool,
     writes: Arc<StoreWrites>,
+    /// Commits go to one thread that appends and fsyncs them (`pigeon-journal`): the same
+    /// warm thread every time, not whichever of the blocking pool's threads wakes.
+    journal_tx: Mutex<Option<std::sync::mpsc::Sender<JournalJob>>>,
+    journal_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
 }
@@ -65,6 +75,17 @@ impl Inner {
     /// Lets the applier finish what is queued, then closes the journal, so that a store
     /// opened next on the same directory does not replay batches this one is still applying.
     fn close(&self) {
+        // Commits already handed over finish; later ones answer that the store is closed.
+        self.journal_tx.lock().expect("journal sender lock").take();
+        if let Some(h) = self
+            .journal_thread
+            .lock()
+            .expect("journal thread lock")
+            .take()
+            && h.join().is_err()
+        {
+            tracing::error!("the journal thread panicked");
+        }
         self.writes.close();
         let handle = match self.applier.lock() {
             Ok(mut guard) => guard.take(),
@@ -225,11 +246,25 @@ impl SqliteStore {
                 .spawn(move || writes.run_applier())
                 .map_err(err)?
         };
+        let (journal_tx, jobs) = std::sync::mpsc::channel::<JournalJob>();
+        let journal_thread = {
+            let writes = writes.clone();
+            std::thread::Builder::new()
+                .name("pigeon-journal".into())
+                .spawn(move || {
+                    for (changes, reply) in jobs {
+                        let _ = reply.send(writes.commit(changes));
+                    }
+                })
+                .map_err(err)?
+        };
         let store = SqliteStore {
             inner: Arc::new(Inner {
                 path,
                 fsync,
                 writes,
+                journal_tx: Mutex::new(Some(journal_tx)),
+                journal_thread: Mutex::new(Some(journal_thread)),
                 applier: Mutex::new(Some(handle)),
                 readers: Mutex::new(Vec::new()),
             }),
@@ -380,10 +415,23 @@ impl Store for SqliteStore {
     }
 
     async fn commit(&self, changes: Changes) -> Result<(), StoreError> {
-        let writes = self.inner.writes.clone();
-        tokio::task::spawn_blocking(move || writes.commit(changes))
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let sent = match self
+            .inner
+            .journal_tx
+            .lock()
+            .expect("journal sender lock")
+            .as_ref()
+        {
+            Some(tx) => tx.send((changes, reply)).is_ok(),
+            None => false,
+        };
+        if !sent {
+            return Err(StoreError("the store is closed".into()));
+        }
+        answer
             .await
-            .map_err(err)?
+            .map_err(|_| StoreError("the journal thread is gone".into()))?
     }
 
     async fn close(&self) {
@@ -696,6 +744,33 @@ mod tests {
             // see the tables before it has applied this one.
             assert_eq!(user_name(&store, i).await, Some(format!("u{i}")));
         }
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Commits go through the journal thread: what was committed before `close` is there at
+    /// the next open; a commit after it is refused (not left waiting for a thread that left).
+    #[tokio::test]
+    async fn commits_before_close_last_and_a_commit_after_it_is_refused() {
+        let dir = temp_dir("close");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        for i in 1..=5u64 {
+            store.commit(user_named(i, &format!("u{i}"))).await.unwrap();
+        }
+        store.close().await;
+        let late = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            store.commit(user_named(6, "late")),
+        )
+        .await
+        .expect("answered, not left waiting");
+        assert!(late.is_err(), "a commit after close is refused");
+        drop(store);
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        for i in 1..=5u64 {
+            assert_eq!(user_name(&store, i).await, Some(format!("u{i}")));
+        }
+        assert_eq!(user_name(&store, 6).await, None);
         drop(store);
         std::fs::remove_dir_all(dir).unwrap();
     }
