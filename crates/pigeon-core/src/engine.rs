@@ -844,19 +844,20 @@ impl Engine {
             return Err(DomainError::invalid("only user messages can be recalled"));
         }
         let conv = self.conversations.get(&conv_id).expect("visible checked");
-        if conv.dismissed {
-            return Err(DomainError::Conflict(
-                "the group was dismissed; it is read-only".into(),
-            ));
-        }
         let manager = conv.is_group && conv.members.get(&actor).is_some_and(|m| m.role.manages());
         if msg.sender != actor && !manager {
             return Err(DomainError::Forbidden(
                 "only the sender or a group admin may recall".into(),
             ));
         }
+        // A retry of a recall that was done answers as the first did, dismissed or not.
         if msg.status == MessageStatus::Recalled {
             return Ok(Reply::Message(Box::new(msg.redacted(false))));
+        }
+        if conv.dismissed {
+            return Err(DomainError::Conflict(
+                "the group was dismissed; it is read-only".into(),
+            ));
         }
         if msg.status == MessageStatus::Deleted {
             return Err(DomainError::Conflict("the message was deleted".into()));

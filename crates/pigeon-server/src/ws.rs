@@ -29,6 +29,8 @@ const MAX_READ_BYTES: usize = 2 << 20;
 const MAX_UNACKED: usize = 8192;
 /// Sends of one push before leaving it to the client's pull.
 const MAX_PUSH_TRIES: u8 = 4;
+/// Longest wait of a `sync` or `pull` for this connection's own queued commands.
+const OWN_SENDS_WAIT: Duration = Duration::from_secs(2);
 /// Bad frames tolerated per window before the connection is closed with 1008: enough that
 /// a client checking its validation case by case on one connection is answered every time,
 /// few enough that one sending garbage in a loop is cut off within a second.
@@ -335,6 +337,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
             Box::pin(conn.flush_cursors(true)).await;
         }
         Stop::ClientClosed => {
+            Box::pin(conn.wait_for_own_sends()).await;
             Box::pin(conn.flush_cursors(true)).await;
             // The WebSocket queued its reply to the client's close frame; closing sends it.
             let _ = sink.close().await;
@@ -405,21 +408,27 @@ impl Connection {
     }
 
     fn bad_frame(&mut self, req: Option<i64>, message: &str) -> Vec<String> {
+        self.count_bad_frame();
+        vec![ApiError::invalid(message).frame(req)]
+    }
+
+    fn count_bad_frame(&mut self) {
         if self.bad_window_start.elapsed() > BAD_FRAME_WINDOW {
             self.bad_window_start = Instant::now();
             self.bad_frames = 0;
         }
         self.bad_frames += 1;
-        vec![ApiError::invalid(message).frame(req)]
     }
 
     /// Handles one text frame; returns the frames to write at once, in order.
     async fn handle_text(&mut self, text: &str) -> Vec<String> {
         if text.len() > MAX_FRAME_BYTES {
-            // Read whole (up to the 2 MiB the socket accepts), so its `req` can be echoed.
+            // Read whole (up to the 2 MiB the socket accepts), so its `req` can be echoed; it
+            // counts as a bad frame, so a client cannot have the server parse them forever.
             let req = serde_json::from_str::<FrameHead>(text)
                 .ok()
-                .and_then(|h| h.req.and_then(|r| r.as_i64()));
+                .and_then(|h| h.req.and_then(|r| r.int()));
+            self.count_bad_frame();
             return vec![
                 ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(req),
             ];
@@ -436,17 +445,13 @@ impl Connection {
             Ok(h) => h,
             Err(_) => return self.bad_frame(None, "frame is not valid JSON"),
         };
-        let req = head.req.as_ref().and_then(|r| r.as_i64());
-        if head
-            .req
-            .as_ref()
-            .is_some_and(|r| !r.is_null() && r.as_i64().is_none())
-        {
+        let req = head.req.as_ref().and_then(Scalar::int);
+        if matches!(head.req, Some(Scalar::Str(_) | Scalar::Other)) {
             return self.bad_frame(None, "req must be an integer");
         }
-        let kind = match head.kind.as_ref().and_then(|t| t.as_str()) {
-            None => return self.bad_frame(req, "frame needs a string type"),
-            Some(t) => t,
+        let kind = match &head.kind {
+            Some(Scalar::Str(t)) => t.as_str(),
+            _ => return self.bad_frame(req, "frame needs a string type"),
         };
         let frame = match ClientFrame::parse_typed(kind, text) {
             None => return self.bad_frame(req, &format!("unknown frame type {kind:?}")),
@@ -481,9 +486,7 @@ impl Connection {
                     req,
                 };
                 let tier = app.pipeline.submit(Command::Send(cmd), reply).await?;
-                if !self.sent_since_barrier.contains(&tier) {
-                    self.sent_since_barrier.push(tier);
-                }
+                self.sent_on(tier);
                 Ok(Vec::new())
             }
             ClientFrame::Ack(a) => {
@@ -516,6 +519,7 @@ impl Connection {
                 ])
             }
             ClientFrame::Read(r) => {
+                self.sent_on(Tier::Fast);
                 let cmd = Command::Read {
                     user: self.user,
                     conversation: r.conversation_id,
@@ -536,12 +540,17 @@ impl Connection {
             ClientFrame::Typing(t) => {
                 let now = Instant::now();
                 // A group's typing reaches every member (and reads the member list): at most
-                // one a second per connection. A single chat's goes to one peer: every one.
-                let recent = t.conversation_id.is_group()
-                    && self
-                        .typing_last
-                        .get(&t.conversation_id)
-                        .is_some_and(|at| now.duration_since(*at) < Duration::from_secs(1));
+                // one a second per connection. A single chat's goes to one peer: one every
+                // 200 ms (a client sends one every few seconds), so a loop cannot flood it.
+                let every = if t.conversation_id.is_group() {
+                    Duration::from_secs(1)
+                } else {
+                    Duration::from_millis(200)
+                };
+                let recent = self
+                    .typing_last
+                    .get(&t.conversation_id)
+                    .is_some_and(|at| now.duration_since(*at) < every);
                 if !recent {
                     if self.typing_last.len() > 256 {
                         self.typing_last.clear();
@@ -646,13 +655,29 @@ impl Connection {
         }
     }
 
-    /// Waits until the sends this connection queued are committed (or refused).
+    /// Notes that this connection queued a command on `tier` (see `sent_since_barrier`).
+    fn sent_on(&mut self, tier: Tier) {
+        if !self.sent_since_barrier.contains(&tier) {
+            self.sent_since_barrier.push(tier);
+        }
+    }
+
+    /// Waits until the commands this connection queued are committed (or refused); at most
+    /// [`OWN_SENDS_WAIT`], so a flood's backlog in the bulk tier cannot hold the connection
+    /// (its outbox is not written while it waits).
     async fn wait_for_own_sends(&mut self) {
         let tiers = std::mem::take(&mut self.sent_since_barrier);
-        if !tiers.is_empty()
-            && let Err(e) = self.app.pipeline.flush_tiers(&tiers).await
-        {
-            tracing::warn!(error = %e, user = %self.user, "waiting for this connection's sends failed");
+        if tiers.is_empty() {
+            return;
+        }
+        match tokio::time::timeout(OWN_SENDS_WAIT, self.app.pipeline.flush_tiers(&tiers)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, user = %self.user, "waiting for this connection's sends failed");
+            }
+            Err(_) => {
+                tracing::warn!(user = %self.user, "this connection's sends took over 2 s to commit; answering without them");
+            }
         }
     }
 
@@ -680,6 +705,10 @@ impl Connection {
                 seq,
             });
         }
+        if !wait {
+            // Not waited for here: the next read or close waits (`wait_for_own_sends`).
+            self.sent_on(Tier::Fast);
+        }
         for cmd in cmds {
             if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
                 tracing::warn!(error = %e, user = %self.user, "cursor not saved");
@@ -696,6 +725,69 @@ impl Connection {
 #[derive(serde::Deserialize)]
 struct FrameHead {
     #[serde(rename = "type")]
-    kind: Option<serde_json::Value>,
-    req: Option<serde_json::Value>,
+    kind: Option<Scalar>,
+    req: Option<Scalar>,
+}
+
+/// A head field as far as the head needs it. Arrays and objects are skipped, not built: a
+/// 1 MiB `req` of nested arrays would otherwise become a tree many times its size.
+enum Scalar {
+    Int(i64),
+    Str(String),
+    Null,
+    Other,
+}
+
+impl Scalar {
+    fn int(&self) -> Option<i64> {
+        match self {
+            Scalar::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Scalar {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Scalar;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Scalar, E> {
+                Ok(Scalar::Int(v))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Scalar, E> {
+                Ok(i64::try_from(v).map_or(Scalar::Other, Scalar::Int))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Scalar, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Scalar, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Scalar, E> {
+                Ok(Scalar::Str(v.to_owned()))
+            }
+            fn visit_unit<E>(self) -> Result<Scalar, E> {
+                Ok(Scalar::Null)
+            }
+            fn visit_none<E>(self) -> Result<Scalar, E> {
+                Ok(Scalar::Null)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Scalar, A::Error> {
+                while a.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(Scalar::Other)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Scalar, A::Error> {
+                while a
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(Scalar::Other)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }

@@ -239,13 +239,8 @@ impl SqliteStore {
             sync_tables(&path)?;
         }
         let writes = StoreWrites::new(writer, journal, applied, backlog_bytes, fsync);
-        let handle = {
-            let writes = writes.clone();
-            std::thread::Builder::new()
-                .name("pigeon-apply".into())
-                .spawn(move || writes.run_applier())
-                .map_err(err)?
-        };
+        // The journal thread first: it ends by itself when the sender goes (here, if the
+        // applier's thread cannot start), the applier only when told to close.
         let (journal_tx, jobs) = std::sync::mpsc::channel::<JournalJob>();
         let journal_thread = {
             let writes = writes.clone();
@@ -256,6 +251,13 @@ impl SqliteStore {
                         let _ = reply.send(writes.commit(changes));
                     }
                 })
+                .map_err(err)?
+        };
+        let handle = {
+            let writes = writes.clone();
+            std::thread::Builder::new()
+                .name("pigeon-apply".into())
+                .spawn(move || writes.run_applier())
                 .map_err(err)?
         };
         let store = SqliteStore {

@@ -51,6 +51,22 @@ async fn malformed_frames_get_invalid_argument_and_the_connection_stays() {
     assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 12);
     ws.send_binary(vec![1, 2, 3]).await.unwrap();
     expect_error(&mut ws, "invalid_argument").await;
+    // A `req` or `type` that is not an integer or a string: refused, without its `req`.
+    for bad in [
+        json!({"type": "ping", "req": "13"}),
+        json!({"type": "ping", "req": [[1, 2], {"a": [3]}]}),
+        json!({"type": "ping", "req": 1.5}),
+        json!({"type": {"t": "ping"}, "req": 14}),
+    ] {
+        ws.send(&bad).await.unwrap();
+        let e = expect_error(&mut ws, "invalid_argument").await;
+        let expected_req = if bad["req"] == 14 {
+            json!(14)
+        } else {
+            Value::Null
+        };
+        assert_eq!(e["req"], expected_req, "{bad} answered {e}");
+    }
     // Still serving.
     let ack = request(
         &mut ws,

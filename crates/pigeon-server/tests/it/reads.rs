@@ -515,7 +515,8 @@ async fn typing_is_relayed_to_the_other_members_only() {
         .expect("typing on alice's device");
     assert_eq!(t["conversation_id"], "111-444");
     assert_eq!(t["user_id"], 444);
-    // Every typing frame of a single chat is relayed, however close together.
+    // A single chat's typing is relayed again 200 ms later (a group's once a second).
+    tokio::time::sleep(Duration::from_millis(250)).await;
     d.send(&json!({"type": "typing", "conversation_id": "111-444"}))
         .await
         .unwrap();
