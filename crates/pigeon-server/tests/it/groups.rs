@@ -730,6 +730,30 @@ async fn group_updates_carry_only_the_changed_fields() {
     assert!(code == "not_member" || code == "not_found", "{code}");
 }
 
+/// A recall retried after the group was dismissed answers as the first one did (the recall
+/// is done; retrying changes nothing), while a new recall there is `conflict`.
+#[tokio::test]
+async fn a_recall_retried_after_dismissal_answers_as_before() {
+    let s = spawn_server().await;
+    let Trio { alice, bob, id, .. } = trio(&s).await;
+    let m = bob
+        .post("/v1/messages", &text_to_conv("r1", &id, "oops"))
+        .await
+        .unwrap();
+    let m_id = m["msg_id"].as_str().unwrap().to_owned();
+    let first = bob
+        .post(&format!("/v1/messages/{m_id}/recall"), &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(first["status"], "recalled");
+    alice.delete(&format!("/v1/groups/{id}")).await.unwrap();
+    let again = bob
+        .post(&format!("/v1/messages/{m_id}/recall"), &json!({}))
+        .await
+        .expect("a retried recall is answered");
+    assert_eq!(again, first);
+}
+
 #[tokio::test]
 async fn a_dismissed_group_is_read_only() {
     let s = spawn_server().await;
