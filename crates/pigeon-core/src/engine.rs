@@ -68,14 +68,29 @@ pub struct Engine {
 
 type Outcome = Result<Reply, DomainError>;
 
-/// The other member of the single chat a send goes to: `to.user`, or a single chat's id that
-/// names the sender. Such an id is derived, never allocated (PROTOCOL.md 1), so a send into
-/// it before the chat exists creates it, as a send to the user would.
-fn single_peer(s: &SendCommand) -> Option<UserId> {
+/// Where a send goes: the single chat with a peer (`to.user`, or a single chat's id that
+/// names the sender: such an id is derived, never allocated (PROTOCOL.md 1), so a send into
+/// it before the chat exists creates it, as a send to the user would), or a group.
+enum Target<'a> {
+    Peer(UserId),
+    Group(&'a ConversationId),
+}
+
+fn target(s: &SendCommand) -> Target<'_> {
     match &s.to {
-        SendTo::User(peer) => Some(*peer),
-        SendTo::Conversation(c) => c.peer_of(s.sender),
+        SendTo::User(peer) => Target::Peer(*peer),
+        SendTo::Conversation(c) => c.peer_of(s.sender).map_or(Target::Group(c), Target::Peer),
     }
+}
+
+/// A dismissed group is read-only (PROTOCOL.md 6): every change to it answers `conflict`.
+fn still_open(conv: &ConversationState) -> Result<(), DomainError> {
+    if conv.dismissed {
+        return Err(DomainError::Conflict(
+            "the group was dismissed; it is read-only".into(),
+        ));
+    }
+    Ok(())
 }
 
 impl Engine {
@@ -144,8 +159,8 @@ impl Engine {
                             n.dedupe.insert(key);
                         }
                     }
-                    match (single_peer(s), &s.to) {
-                        (Some(peer), _) => {
+                    match target(s) {
+                        Target::Peer(peer) => {
                             if let Ok(c) = ConversationId::single(s.sender, peer) {
                                 want_conv(&mut n, &c);
                                 if !self.conversations.contains_key(&c) {
@@ -154,8 +169,7 @@ impl Engine {
                                 }
                             }
                         }
-                        (None, SendTo::Conversation(c)) => want_conv(&mut n, c),
-                        (None, SendTo::User(_)) => {}
+                        Target::Group(c) => want_conv(&mut n, c),
                     }
                 }
                 Command::CreateGroup { owner, members, .. } => {
@@ -331,9 +345,7 @@ impl Engine {
                         "only the owner appoints admins".into(),
                     ));
                 }
-                if conv.dismissed {
-                    return Err(DomainError::Conflict("the group was dismissed".into()));
-                }
+                still_open(conv)?;
                 let target = conv
                     .members
                     .get_mut(&user)
@@ -415,9 +427,7 @@ impl Engine {
                         "only the owner and admins update the group".into(),
                     ));
                 }
-                if conv.dismissed {
-                    return Err(DomainError::Conflict("the group was dismissed".into()));
-                }
+                still_open(conv)?;
                 let mut changed = serde_json::Map::new();
                 if let Some(name) = patch.name {
                     changed.insert("name".into(), json!(name));
@@ -590,8 +600,8 @@ impl Engine {
                 ..ack.clone()
             }));
         }
-        let conv_id = match (single_peer(&s), &s.to) {
-            (Some(peer), _) => {
+        let conv_id = match target(&s) {
+            Target::Peer(peer) => {
                 let id = ConversationId::single(s.sender, peer)
                     .map_err(|e| DomainError::invalid(e.0))?;
                 if !self.conversations.contains_key(&id) {
@@ -603,15 +613,10 @@ impl Engine {
                 }
                 id
             }
-            (None, SendTo::Conversation(id)) => id.clone(),
-            (None, SendTo::User(_)) => unreachable!("a send to a user has a peer"),
+            Target::Group(id) => id.clone(),
         };
         let conv = self.member_conv_mut(&conv_id, s.sender)?;
-        if conv.dismissed {
-            return Err(DomainError::Conflict(
-                "the group was dismissed; it is read-only".into(),
-            ));
-        }
+        still_open(conv)?;
         let me = conv.members.get(&s.sender).expect("member checked");
         if me.mute_until.is_some_and(|until| until > now) {
             return Err(DomainError::Muted);
@@ -730,9 +735,7 @@ impl Engine {
         let known = self.known_users.clone();
         let conv = self.group_mut(conv_id)?;
         role_of(conv, actor)?;
-        if conv.dismissed {
-            return Err(DomainError::Conflict("the group was dismissed".into()));
-        }
+        still_open(conv)?;
         let mut fresh: Vec<UserId> = Vec::new();
         for u in users {
             if conv.members.contains_key(&u) {
@@ -791,9 +794,7 @@ impl Engine {
         let actor_role = role_of(conv, actor)?;
         // A dismissed group is read-only: nobody is kicked from it or quits it (a member who
         // no longer wants to see it hides it).
-        if conv.dismissed {
-            return Err(DomainError::Conflict("the group was dismissed".into()));
-        }
+        still_open(conv)?;
         let target_role = conv
             .members
             .get(&user)
@@ -854,11 +855,7 @@ impl Engine {
         if msg.status == MessageStatus::Recalled {
             return Ok(Reply::Message(Box::new(msg.redacted(false))));
         }
-        if conv.dismissed {
-            return Err(DomainError::Conflict(
-                "the group was dismissed; it is read-only".into(),
-            ));
-        }
+        still_open(conv)?;
         if msg.status == MessageStatus::Deleted {
             return Err(DomainError::Conflict("the message was deleted".into()));
         }
@@ -910,14 +907,8 @@ impl Engine {
         if now - msg.created_at > self.cfg.edit_window_ms {
             return Err(DomainError::WindowExpired);
         }
-        if self
-            .conversations
-            .get(&conv_id)
-            .is_some_and(|c| c.dismissed)
-        {
-            return Err(DomainError::Conflict(
-                "the group was dismissed; it is read-only".into(),
-            ));
+        if let Some(conv) = self.conversations.get(&conv_id) {
+            still_open(conv)?;
         }
         let mut updated = msg.clone();
         updated.version += 1;
@@ -983,9 +974,7 @@ impl Engine {
                 "only the owner and admins mute members".into(),
             ));
         }
-        if conv.dismissed {
-            return Err(DomainError::Conflict("the group was dismissed".into()));
-        }
+        still_open(conv)?;
         let target = conv
             .members
             .get(&user)

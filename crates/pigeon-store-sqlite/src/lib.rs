@@ -57,6 +57,13 @@ type JournalJob = (
     tokio::sync::oneshot::Sender<Result<(), StoreError>>,
 );
 
+/// The journal thread and the way to it: dropping the sender ends the thread once it has
+/// committed what it was given.
+type JournalThread = (
+    std::sync::mpsc::Sender<JournalJob>,
+    std::thread::JoinHandle<()>,
+);
+
 struct Inner {
     path: PathBuf,
     /// Durability `fsync`: the few settings written outside the journal (`meta_set`) are
@@ -64,9 +71,9 @@ struct Inner {
     fsync: bool,
     writes: Arc<StoreWrites>,
     /// Commits go to one thread that appends and fsyncs them (`pigeon-journal`): the same
-    /// warm thread every time, not whichever of the blocking pool's threads wakes.
-    journal_tx: Mutex<Option<std::sync::mpsc::Sender<JournalJob>>>,
-    journal_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// warm thread every time, not whichever of the blocking pool's threads wakes. `None`
+    /// once closed.
+    journal: Mutex<Option<JournalThread>>,
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
 }
@@ -76,15 +83,12 @@ impl Inner {
     /// opened next on the same directory does not replay batches this one is still applying.
     fn close(&self) {
         // Commits already handed over finish; later ones answer that the store is closed.
-        self.journal_tx.lock().expect("journal sender lock").take();
-        if let Some(h) = self
-            .journal_thread
-            .lock()
-            .expect("journal thread lock")
-            .take()
-            && h.join().is_err()
-        {
-            tracing::error!("the journal thread panicked");
+        let journal = self.journal.lock().expect("journal thread lock").take();
+        if let Some((jobs, thread)) = journal {
+            drop(jobs);
+            if thread.join().is_err() {
+                tracing::error!("the journal thread panicked");
+            }
         }
         self.writes.close();
         let handle = match self.applier.lock() {
@@ -265,8 +269,7 @@ impl SqliteStore {
                 path,
                 fsync,
                 writes,
-                journal_tx: Mutex::new(Some(journal_tx)),
-                journal_thread: Mutex::new(Some(journal_thread)),
+                journal: Mutex::new(Some((journal_tx, journal_thread))),
                 applier: Mutex::new(Some(handle)),
                 readers: Mutex::new(Vec::new()),
             }),
@@ -420,12 +423,12 @@ impl Store for SqliteStore {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let sent = match self
             .inner
-            .journal_tx
+            .journal
             .lock()
-            .expect("journal sender lock")
+            .expect("journal thread lock")
             .as_ref()
         {
-            Some(tx) => tx.send((changes, reply)).is_ok(),
+            Some((jobs, _)) => jobs.send((changes, reply)).is_ok(),
             None => false,
         };
         if !sent {
