@@ -397,6 +397,9 @@ impl SqliteStore {
     {
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
+            // The applier holds the writer through its transaction: it commits at once
+            // while someone waits.
+            let _waiting = applier::WaitingReader::new(&this.inner.writes);
             let mut conn = this.inner.writes.writer.lock().expect("writer lock");
             f(&mut conn).map_err(err)
         })
@@ -876,6 +879,9 @@ mod tests {
         let mut second = user_named(2, "two");
         second.messages.push(message(2));
         store.commit(first).await.unwrap();
+        // A step later: `first` is already written into the open transaction when
+        // `second` fails it, and must not be lost when it is rolled back.
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
         store.commit(second).await.unwrap();
         store.commit(user_named(3, "three")).await.unwrap();
         assert_eq!(user_name(&store, 1).await.as_deref(), Some("one"));
@@ -888,6 +894,81 @@ mod tests {
         let kept = dir.join("journal").join(format!("rejected-{:020}.json", 2));
         let back: Changes = serde_json::from_slice(&std::fs::read(kept).unwrap()).unwrap();
         assert_eq!(back.users[0].1, "two");
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The applier writes rows as batches come (every `APPLY_STEP`) but a conversation's
+    /// row once, at the commit: the row the tables keep is the last batch's, whichever
+    /// step each batch came in.
+    #[tokio::test]
+    async fn batches_applied_in_steps_leave_the_last_conversation_row() {
+        let dir = temp_dir("steps");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        let conv = |seq: u64| Changes {
+            conversations: vec![pigeon_core::changes::ConversationRow {
+                id: ConversationId::parse("g9").unwrap(),
+                is_group: true,
+                seq,
+                member_count: 1,
+                fanout: pigeon_proto::views::Fanout::Write,
+                name: Some(format!("v{seq}")),
+                notice: None,
+                avatar: None,
+                owner: None,
+                dismissed: false,
+                last_msg_id: None,
+                read_fanout_since: None,
+                created_at: 1,
+                updated_at: seq as i64,
+            }],
+            ..user_named(seq, &format!("u{seq}"))
+        };
+        for seq in 1..=6 {
+            store.commit(conv(seq)).await.unwrap();
+            // Some batches come in later steps of the same transaction, some in the same.
+            if seq % 2 == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+            }
+        }
+        assert_eq!(user_name(&store, 6).await.as_deref(), Some("u6"));
+        drop(store);
+        let c = Connection::open(dir.join("pigeon.db")).unwrap();
+        let row: (i64, String) = c
+            .query_row(
+                "SELECT seq, name FROM conversations WHERE conversation_id = 'g9'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(row, (6, "v6".to_string()));
+        drop(c);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A setting written while the applier's transaction is open (it holds the writer
+    /// connection while it gathers) is written, and so is the batch before it, durably.
+    #[tokio::test]
+    async fn a_setting_written_while_batches_are_gathering_lands_with_them() {
+        let dir = temp_dir("meta-during-apply");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        for round in 1..=3u64 {
+            store
+                .commit(user_named(round, &format!("u{round}")))
+                .await
+                .unwrap();
+            store.meta_set("k", &format!("v{round}")).await.unwrap();
+            assert_eq!(
+                store.meta_get("k").await.unwrap().as_deref(),
+                Some(format!("v{round}").as_str())
+            );
+        }
+        drop(store);
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        assert_eq!(store.meta_get("k").await.unwrap().as_deref(), Some("v3"));
+        for i in 1..=3u64 {
+            assert_eq!(user_name(&store, i).await, Some(format!("u{i}")));
+        }
         drop(store);
         std::fs::remove_dir_all(dir).unwrap();
     }

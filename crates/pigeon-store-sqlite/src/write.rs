@@ -6,7 +6,7 @@ use pigeon_core::state::{ConversationState, MemberState};
 use pigeon_core::store::{Loaded, Needs};
 use pigeon_proto::views::{Fanout, SendAck};
 use pigeon_proto::{ConversationId, UserId};
-use rusqlite::{Connection, OptionalExtension, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, params};
 use std::collections::HashMap;
 
 pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
@@ -143,22 +143,18 @@ pub fn meta_set(c: &Connection, key: &str, value: &str) -> rusqlite::Result<()> 
     .map(|_| ())
 }
 
-/// Writes several batches' changes, in order, inside `tx` (the applier puts many batches in
-/// one transaction). A conversation's row and a membership are written as whole rows, so
-/// only the last of each across the batches is written; everything else is written as it
-/// comes, table by table (inserts of distinct rows, and updates that depend on order, in
-/// order: a user's upsert keeps the `created_at` of its first).
-pub fn apply(tx: &Transaction, batches: &[&Changes]) -> rusqlite::Result<()> {
-    let mut conversations: HashMap<&ConversationId, &ConversationRow> = HashMap::new();
-    let mut members: HashMap<&(ConversationId, UserId), &MemberRow> = HashMap::new();
-    for ch in batches {
-        for s in &ch.conversations {
-            conversations.insert(&s.id, s);
-        }
-        for (key, m) in &ch.members {
-            members.insert(key, m);
-        }
-    }
+/// Writes several batches' changes, in order, inside the transaction open on `tx` (the
+/// applier puts many batches in one): [`apply_rows`], then [`apply_whole_rows`].
+pub fn apply(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()> {
+    apply_rows(tx, batches)?;
+    apply_whole_rows(tx, batches.iter().copied())
+}
+
+/// Writes what `batches` add or change row by row, as it comes, table by table (inserts of
+/// distinct rows, and updates that depend on order, in order: a user's upsert keeps the
+/// `created_at` of its first). Everything but conversations and memberships, which
+/// [`apply_whole_rows`] writes.
+pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()> {
     let every = || batches.iter().copied();
     {
         let mut st = tx.prepare_cached(
@@ -208,59 +204,6 @@ pub fn apply(tx: &Transaction, batches: &[&Changes]) -> rusqlite::Result<()> {
             ])?;
         }
         let mut st = tx.prepare_cached(
-            "INSERT INTO conversations (conversation_id, is_group, seq, member_count, fanout, name, notice, avatar, owner, \
-             dismissed, last_msg_id, created_at, updated_at, read_fanout_since) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) \
-             ON CONFLICT (conversation_id) DO UPDATE SET seq = excluded.seq, member_count = excluded.member_count, \
-             fanout = excluded.fanout, name = excluded.name, notice = excluded.notice, avatar = excluded.avatar, \
-             owner = excluded.owner, dismissed = excluded.dismissed, last_msg_id = excluded.last_msg_id, read_fanout_since = excluded.read_fanout_since, \
-             updated_at = excluded.updated_at",
-        )?;
-        for s in conversations.into_values() {
-            let fanout = match s.fanout {
-                Fanout::Write => "write",
-                Fanout::Read => "read",
-            };
-            st.execute(params![
-                s.id.as_str(),
-                s.is_group as i64,
-                s.seq as i64,
-                s.member_count as i64,
-                fanout,
-                s.name,
-                s.notice,
-                s.avatar,
-                s.owner.map(|o| o.get() as i64),
-                s.dismissed as i64,
-                s.last_msg_id.map(|m| m.get() as i64),
-                s.created_at,
-                s.updated_at,
-                s.read_fanout_since.map(|v| v as i64),
-            ])?;
-        }
-        let mut st = tx.prepare_cached(
-            "INSERT INTO members (conversation_id, user_id, role, joined_seq, joined_at, left_seq, last_read_seq, mute_until, \
-             pinned, muted, hidden_seq) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11) \
-             ON CONFLICT (conversation_id, user_id) DO UPDATE SET role = excluded.role, joined_seq = excluded.joined_seq, \
-             joined_at = excluded.joined_at, left_seq = excluded.left_seq, last_read_seq = excluded.last_read_seq, \
-             mute_until = excluded.mute_until, pinned = excluded.pinned, muted = excluded.muted, hidden_seq = excluded.hidden_seq",
-        )?;
-        for m in members.into_values() {
-            let s = &m.state;
-            st.execute(params![
-                m.conversation.as_str(),
-                m.user.get() as i64,
-                s.role.as_str(),
-                s.joined_seq as i64,
-                s.joined_at,
-                m.left_seq.map(|v| v as i64),
-                s.last_read_seq as i64,
-                s.mute_until,
-                s.pinned as i64,
-                s.muted as i64,
-                s.hidden_seq.map(|v| v as i64),
-            ])?;
-        }
-        let mut st = tx.prepare_cached(
             "UPDATE messages SET status = ?2, version = ?3, content = coalesce(?4, content), edited_at = ?5, \
              recalled_at = coalesce(?6, recalled_at), recalled_by = coalesce(?7, recalled_by) WHERE msg_id = ?1",
         )?;
@@ -294,6 +237,79 @@ pub fn apply(tx: &Transaction, batches: &[&Changes]) -> rusqlite::Result<()> {
         for (u, d, chain, seq) in every().flat_map(|ch| &ch.cursors) {
             st.execute(params![u.get() as i64, d.as_str(), chain, *seq as i64])?;
         }
+    }
+    Ok(())
+}
+
+/// Writes the conversations' rows and the memberships `batches` changed. Each is a whole
+/// row, so only the last of each across the batches is written: a transaction that holds
+/// hundreds of batches of one chat writes its row once.
+pub fn apply_whole_rows<'a>(
+    tx: &Connection,
+    batches: impl Iterator<Item = &'a Changes>,
+) -> rusqlite::Result<()> {
+    let mut conversations: HashMap<&ConversationId, &ConversationRow> = HashMap::new();
+    let mut members: HashMap<&(ConversationId, UserId), &MemberRow> = HashMap::new();
+    for ch in batches {
+        for s in &ch.conversations {
+            conversations.insert(&s.id, s);
+        }
+        for (key, m) in &ch.members {
+            members.insert(key, m);
+        }
+    }
+    let mut st = tx.prepare_cached(
+            "INSERT INTO conversations (conversation_id, is_group, seq, member_count, fanout, name, notice, avatar, owner, \
+             dismissed, last_msg_id, created_at, updated_at, read_fanout_since) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) \
+             ON CONFLICT (conversation_id) DO UPDATE SET seq = excluded.seq, member_count = excluded.member_count, \
+             fanout = excluded.fanout, name = excluded.name, notice = excluded.notice, avatar = excluded.avatar, \
+             owner = excluded.owner, dismissed = excluded.dismissed, last_msg_id = excluded.last_msg_id, read_fanout_since = excluded.read_fanout_since, \
+             updated_at = excluded.updated_at",
+        )?;
+    for s in conversations.into_values() {
+        let fanout = match s.fanout {
+            Fanout::Write => "write",
+            Fanout::Read => "read",
+        };
+        st.execute(params![
+            s.id.as_str(),
+            s.is_group as i64,
+            s.seq as i64,
+            s.member_count as i64,
+            fanout,
+            s.name,
+            s.notice,
+            s.avatar,
+            s.owner.map(|o| o.get() as i64),
+            s.dismissed as i64,
+            s.last_msg_id.map(|m| m.get() as i64),
+            s.created_at,
+            s.updated_at,
+            s.read_fanout_since.map(|v| v as i64),
+        ])?;
+    }
+    let mut st = tx.prepare_cached(
+            "INSERT INTO members (conversation_id, user_id, role, joined_seq, joined_at, left_seq, last_read_seq, mute_until, \
+             pinned, muted, hidden_seq) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11) \
+             ON CONFLICT (conversation_id, user_id) DO UPDATE SET role = excluded.role, joined_seq = excluded.joined_seq, \
+             joined_at = excluded.joined_at, left_seq = excluded.left_seq, last_read_seq = excluded.last_read_seq, \
+             mute_until = excluded.mute_until, pinned = excluded.pinned, muted = excluded.muted, hidden_seq = excluded.hidden_seq",
+        )?;
+    for m in members.into_values() {
+        let s = &m.state;
+        st.execute(params![
+            m.conversation.as_str(),
+            m.user.get() as i64,
+            s.role.as_str(),
+            s.joined_seq as i64,
+            s.joined_at,
+            m.left_seq.map(|v| v as i64),
+            s.last_read_seq as i64,
+            s.mute_until,
+            s.pinned as i64,
+            s.muted as i64,
+            s.hidden_seq.map(|v| v as i64),
+        ])?;
     }
     Ok(())
 }
