@@ -26,7 +26,8 @@ const MAX_APPLY_BATCHES: usize = 512;
 /// once instead of once per batch. A reader that finds the tables behind has them applied
 /// at once.
 const APPLY_DELAY: Duration = Duration::from_millis(250);
-/// Unapplied bytes that start an apply without waiting for [`APPLY_DELAY`].
+/// Bytes of batches in the open transaction past which it commits without waiting for
+/// [`APPLY_DELAY`].
 const APPLY_BYTES: usize = 8 << 20;
 /// How often an open transaction takes in the batches queued since: their rows are written
 /// as they come, so a reader who finds the tables behind waits for the last step's batches
@@ -37,7 +38,7 @@ const APPLY_STEP: Duration = Duration::from_millis(10);
 /// `run_applier`); the checkpointer thread still syncs the tables every 100 ms.
 const CHECKPOINT_BEFORE_BEGIN: Duration = Duration::from_millis(100);
 /// The same after a transaction a reader cut short.
-const CHECKPOINT_BEFORE_BEGIN_AT_LEAST: Duration = Duration::from_secs(1);
+const CHECKPOINT_AFTER_A_READ: Duration = Duration::from_secs(1);
 /// How long a commit waits for room in the backlog, and a reader for the tables to catch
 /// up, before it answers that the store is unavailable.
 pub const WAIT_LIMIT: Duration = Duration::from_secs(5);
@@ -240,23 +241,25 @@ impl StoreWrites {
 
     /// The applier thread's loop: one transaction at a time, which writes the queued
     /// batches' rows as they come (every [`APPLY_STEP`]) and commits once its oldest batch
-    /// has waited [`APPLY_DELAY`], or at once when a reader waits. If writing in steps
-    /// fails, the transaction is rolled back and its batches are applied again batch by
-    /// batch, retrying after a failure (the batches are durable in the journal; they must
-    /// reach the tables, and readers wait meanwhile), until closed with nothing left.
+    /// has waited [`APPLY_DELAY`], or at once when a reader waits. If a step, the final
+    /// rows or the commit fail, the transaction is rolled back and its batches are applied
+    /// again in a fresh transaction (one by one if the tables refuse one, which is set
+    /// aside), retrying after any other failure (the batches are durable in the journal;
+    /// they must reach the tables, and readers wait meanwhile), until closed with nothing
+    /// left.
     pub fn run_applier(self: Arc<Self>) {
         let mut checkpointed = Instant::now();
-        let mut last_ran_full = false;
+        let mut last_cut_short = false;
         while let Some(oldest) = self.wait_for_batches() {
             let mut taken: Vec<(u64, Changes, usize)> = Vec::new();
             let mut busy = Duration::ZERO;
             let stepped = {
                 let mut conn = self.writer.lock().expect("writer lock");
                 let due = checkpointed.elapsed()
-                    >= if last_ran_full {
-                        CHECKPOINT_BEFORE_BEGIN
+                    >= if last_cut_short {
+                        CHECKPOINT_AFTER_A_READ
                     } else {
-                        CHECKPOINT_BEFORE_BEGIN_AT_LEAST
+                        CHECKPOINT_BEFORE_BEGIN
                     };
                 if due && self.readers_waiting.load(Ordering::Acquire) == 0 {
                     // Under a steady load the next transaction begins right after the last
@@ -264,8 +267,9 @@ impl StoreWrites {
                     // transaction from the WAL's start again only if, when it began, every
                     // frame was copied. Without this the WAL grew to the 160 MB backstop
                     // and every write went to a new page of it (the server's maximum fell
-                    // by 4 %). Not while a reader waits, nor, within a second, after a
-                    // transaction a reader cut short: its fsyncs would hold the next read.
+                    // by 4 %). Never while a reader waits; after a transaction a reader cut
+                    // short (its next read may come at once, and would wait for this
+                    // checkpoint's two fsyncs) at most once a second.
                     let started = Instant::now();
                     if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
                     {
@@ -276,7 +280,7 @@ impl StoreWrites {
                 }
                 self.apply_in_steps(&mut conn, oldest + APPLY_DELAY, &mut taken, &mut busy)
             };
-            last_ran_full = Instant::now() >= oldest + APPLY_DELAY;
+            last_cut_short = matches!(stepped, Ok(true));
             let Some(last) = taken.last().map(|t| t.0) else {
                 if let Err(e) = stepped {
                     // Nothing was taken: the transaction could not even begin.
@@ -290,7 +294,7 @@ impl StoreWrites {
                 continue;
             };
             if let Err(e) = stepped {
-                tracing::warn!(error = %e, lsn = last, "applying journaled batches in steps failed; applying them one by one");
+                tracing::warn!(error = %e, lsn = last, "applying journaled batches in steps failed; applying them again in a fresh transaction");
                 let started = Instant::now();
                 if !self.apply_until_done(&taken) {
                     return;
@@ -328,31 +332,34 @@ impl StoreWrites {
     /// One transaction: takes the queued batches every [`APPLY_STEP`] and writes their rows
     /// into it, and commits at `due`, or at once when a reader waits, the store closes, or
     /// the transaction is full. Everything taken is in `taken`, even on an error (the
-    /// transaction is then rolled back); `busy` is the time spent writing.
+    /// transaction is then rolled back); `busy` is the time spent writing. True when a
+    /// waiting reader (or settings write) was what made it commit.
     fn apply_in_steps(
         &self,
         conn: &mut Connection,
         due: Instant,
         taken: &mut Vec<(u64, Changes, usize)>,
         busy: &mut Duration,
-    ) -> rusqlite::Result<()> {
+    ) -> rusqlite::Result<bool> {
         let tx = conn.transaction()?;
         let mut bytes = 0;
         let mut next_step = Instant::now();
+        let mut cut_short;
         loop {
             let (chunk, commit) = {
                 let mut backlog = self.backlog.lock().expect("backlog lock");
                 loop {
                     let now = Instant::now();
                     let room = MAX_APPLY_BATCHES - taken.len();
-                    let commit = backlog.closed
-                        || now >= due
-                        || room == 0
-                        || bytes >= APPLY_BYTES
-                        || self.readers_waiting.load(Ordering::Acquire) > 0;
+                    let ends = backlog.closed || now >= due || room == 0 || bytes >= APPLY_BYTES;
+                    let reader = self.readers_waiting.load(Ordering::Acquire) > 0;
+                    let commit = ends || reader;
+                    cut_short = !ends && reader;
                     if !backlog.queue.is_empty() && room > 0 && (commit || now >= next_step) {
                         let n = backlog.queue.len().min(room);
                         let chunk: Vec<_> = backlog.queue.drain(..n).collect();
+                        // Left as it was when some stay (a full transaction): the next one
+                        // then commits early, which costs a little batching, nothing else.
                         if backlog.queue.is_empty() {
                             backlog.oldest = None;
                         }
@@ -388,14 +395,14 @@ impl StoreWrites {
             }
         }
         let Some(last) = taken.last().map(|t| t.0) else {
-            return Ok(());
+            return Ok(cut_short);
         };
         let started = Instant::now();
         write::apply_whole_rows(&tx, taken.iter().map(|t| &t.1))?;
         write::meta_set(&tx, APPLIED_KEY, &last.to_string())?;
         tx.commit()?;
         *busy += started.elapsed();
-        Ok(())
+        Ok(cut_short)
     }
 
     /// Applies `taken` in a transaction of its own, setting aside a batch the tables refuse,
