@@ -985,6 +985,80 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// Writers, readers and settings writes racing for the applier's open transaction:
+    /// every read sees every batch committed before it began (read your writes), through
+    /// reads that cut transactions short, steps, checkpoints between transactions and
+    /// settings writes that take the writer connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_writers_readers_and_settings_each_read_their_writes() {
+        let dir = temp_dir("race");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(1500);
+        let mut tasks = Vec::new();
+        for w in 0..4u64 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while std::time::Instant::now() < until {
+                    n += 1;
+                    let id = w * 1_000_000 + n;
+                    store
+                        .commit(user_named(id, &format!("w{w}-{n}")))
+                        .await
+                        .unwrap();
+                    // Read back at once only sometimes: the rest go in later steps.
+                    if n % 3 == 0 {
+                        assert_eq!(user_name(&store, id).await, Some(format!("w{w}-{n}")));
+                    }
+                    if n % 7 == 0 {
+                        tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+                    }
+                }
+                n
+            }));
+        }
+        let settings = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut k = 0;
+                while std::time::Instant::now() < until {
+                    k += 1;
+                    store.meta_set("race", &k.to_string()).await.unwrap();
+                    assert_eq!(store.meta_get("race").await.unwrap(), Some(k.to_string()));
+                    tokio::time::sleep(std::time::Duration::from_millis(40)).await;
+                }
+                k
+            })
+        };
+        let mut written = Vec::new();
+        for t in tasks {
+            written.push(t.await.unwrap());
+        }
+        let k = settings.await.unwrap();
+        drop(store);
+        // Everything is there after a reopen, nothing twice (the ids are a primary key).
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        for (w, n) in written.iter().enumerate() {
+            let w = w as u64;
+            assert!(*n > 10, "writer {w} wrote {n} batches");
+            for i in [1, n / 2, *n] {
+                assert_eq!(
+                    user_name(&store, w * 1_000_000 + i).await,
+                    Some(format!("w{w}-{i}"))
+                );
+            }
+        }
+        assert_eq!(store.meta_get("race").await.unwrap(), Some(k.to_string()));
+        drop(store);
+        let c = Connection::open(dir.join("pigeon.db")).unwrap();
+        let users: u64 = c
+            .query_row("SELECT count(*) FROM users", [], |r| r.get::<_, i64>(0))
+            .unwrap() as u64;
+        assert_eq!(users, written.iter().sum::<u64>());
+        drop(c);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     /// A setting written while the applier's transaction is open (it holds the writer
     /// connection while it gathers) is written, and so is the batch before it, durably.
     #[tokio::test]
