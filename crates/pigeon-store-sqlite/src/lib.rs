@@ -1007,10 +1007,10 @@ mod tests {
                         .await
                         .unwrap();
                     // Read back at once only sometimes: the rest go in later steps.
-                    if n % 3 == 0 {
+                    if n.is_multiple_of(3) {
                         assert_eq!(user_name(&store, id).await, Some(format!("w{w}-{n}")));
                     }
-                    if n % 7 == 0 {
+                    if n.is_multiple_of(7) {
                         tokio::time::sleep(std::time::Duration::from_millis(3)).await;
                     }
                 }
