@@ -12,6 +12,7 @@ pub mod lag;
 pub mod limits;
 pub mod openapi;
 pub mod pipeline;
+pub mod protobuf;
 pub mod rooms;
 pub mod server;
 pub mod webhook;

@@ -18,6 +18,9 @@ use std::sync::{Arc, OnceLock};
 pub enum StartError {
     #[error("{0}")]
     Store(#[from] pigeon_core::StoreError),
+    /// The embedded `proto/pigeon.proto` does not compile (a build from a broken tree).
+    #[error("{0}")]
+    Schema(String),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -71,6 +74,7 @@ async fn secret(
 
 /// Opens everything and starts serving on `cfg.listen`.
 pub async fn start(cfg: Config) -> Result<Running, StartError> {
+    crate::protobuf::Schema::get().map_err(StartError::Schema)?;
     let durability = match cfg.durability {
         DurabilityMode::Fsync => Durability::Fsync,
         DurabilityMode::Os => Durability::Os,

@@ -8,6 +8,7 @@ use crate::auth::bearer;
 use crate::error::ApiError;
 use crate::hub::{KillReason, Outbox, Outgoing, PushChain};
 use crate::pipeline::{ReplyTo, Tier, now_ms};
+use crate::protobuf;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, header};
@@ -75,7 +76,7 @@ pub async fn upgrade(
     };
     match authorized {
         Ok((user, device)) => ws
-            .protocols(["pigeon.v1.json"])
+            .protocols(subprotocols_by_preference(&headers))
             .read_buffer_size(READ_BUFFER_BYTES)
             // Frames fed between two flushes are gathered up to this size and written with one
             // syscall (0 would write each frame by itself: one syscall per frame). The buffer
@@ -85,6 +86,26 @@ pub async fn upgrade(
             .max_frame_size(MAX_READ_BYTES)
             .on_upgrade(move |socket| run(app, user, device, socket)),
         Err(e) => e.into_response(),
+    }
+}
+
+/// The subprotocols this server speaks, the one the client listed first in front: the
+/// upgrade picks the first of these that the client offered, and the client's order is its
+/// preference.
+fn subprotocols_by_preference(headers: &HeaderMap) -> [&'static str; 2] {
+    const JSON: &str = "pigeon.v1.json";
+    let proto_first = headers
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .find(|p| *p == JSON || *p == protobuf::SUBPROTOCOL)
+        == Some(protobuf::SUBPROTOCOL);
+    if proto_first {
+        [protobuf::SUBPROTOCOL, JSON]
+    } else {
+        [JSON, protobuf::SUBPROTOCOL]
     }
 }
 
@@ -164,7 +185,46 @@ struct Connection {
     room: Option<String>,
 }
 
+/// How one connection's frames travel: JSON text (`pigeon.v1.json`, also when the client
+/// asked for no subprotocol), or protobuf in binary frames (`pigeon.v1.proto`, transcoded
+/// from and to the same JSON frames at this edge).
+#[derive(Clone, Copy)]
+enum Codec {
+    Json,
+    Proto(&'static protobuf::Schema),
+}
+
+impl Codec {
+    fn of(socket: &WebSocket) -> Codec {
+        match socket.protocol().map(|p| p.as_bytes()) {
+            Some(p) if p == protobuf::SUBPROTOCOL.as_bytes() => match protobuf::Schema::get() {
+                Ok(schema) => Codec::Proto(schema),
+                // Compiled at start; a server that started has it.
+                Err(_) => Codec::Json,
+            },
+            _ => Codec::Json,
+        }
+    }
+
+    /// A server frame, as this connection's WebSocket message.
+    fn message(self, frame: Utf8Bytes) -> WsMessage {
+        match self {
+            Codec::Json => WsMessage::Text(frame),
+            Codec::Proto(schema) => match schema.server_frame_to_proto(frame.as_str()) {
+                Ok(bytes) => WsMessage::Binary(bytes.into()),
+                Err(e) => {
+                    // A frame the schema lacks (a test checks every kind): sent as JSON
+                    // rather than lost.
+                    tracing::error!(error = %e, "a server frame has no protobuf form; sent as text");
+                    WsMessage::Text(frame)
+                }
+            },
+        }
+    }
+}
+
 async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
+    let codec = Codec::of(&socket);
     let (outbox, mut out_rx) = Outbox::new();
     let registration = app.hub.register(user, device.clone(), outbox.clone());
     let mut shutdown = app.shutdown.subscribe();
@@ -203,7 +263,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
         user_seq: head,
     };
     if sink
-        .send(WsMessage::Text(hello.to_json().into()))
+        .send(codec.message(hello.to_json().into()))
         .await
         .is_err()
     {
@@ -239,7 +299,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                 // Write what is queued (a `kicked` frame) before closing.
                 while let Ok(out) = out_rx.try_recv() {
                     if let Some(frame) = conn.frame_to_write(out) {
-                        let _ = sink.feed(WsMessage::Text(frame)).await;
+                        let _ = sink.feed(codec.message(frame)).await;
                     }
                 }
                 let reason = *conn.outbox.kill_reason.lock().expect("kill reason lock");
@@ -255,7 +315,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                 let mut failed = false;
                 while let Some(out) = next.take() {
                     if let Some(frame) = conn.frame_to_write(out)
-                        && sink.feed(WsMessage::Text(frame)).await.is_err() {
+                        && sink.feed(codec.message(frame)).await.is_err() {
                             failed = true;
                             break;
                         }
@@ -285,19 +345,25 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                     // may await (sync, pull) would size every connection's task, idle or not
                     // (3 432 bytes inline, 1 792 boxed).
                     WsMessage::Text(t) => Box::pin(conn.handle_text(t.as_str())).await,
-                    WsMessage::Binary(_) => conn.bad_frame(None, "binary frames are not part of pigeon.v1.json"),
+                    WsMessage::Binary(b) => match codec {
+                        Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
+                            Ok(text) => Box::pin(conn.handle_text(&text)).await,
+                            Err(e) => conn.bad_frame(None, &e),
+                        },
+                        Codec::Json => conn.bad_frame(None, "binary frames are not part of pigeon.v1.json"),
+                    },
                     WsMessage::Ping(_) | WsMessage::Pong(_) => Vec::new(),
                     WsMessage::Close(_) => break Stop::ClientClosed,
                 };
                 if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
                     for r in replies {
-                        let _ = sink.feed(WsMessage::Text(r.into())).await;
+                        let _ = sink.feed(codec.message(r.into())).await;
                     }
                     break Stop::Close(1008, "too many bad frames");
                 }
                 let mut ok = true;
                 for r in replies {
-                    if sink.feed(WsMessage::Text(r.into())).await.is_err() {
+                    if sink.feed(codec.message(r.into())).await.is_err() {
                         ok = false;
                         break;
                     }
@@ -314,7 +380,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                 let resend = conn.due_resends(retry);
                 let mut ok = true;
                 for frame in resend {
-                    if sink.feed(WsMessage::Text(frame)).await.is_err() {
+                    if sink.feed(codec.message(frame)).await.is_err() {
                         ok = false;
                         break;
                     }

@@ -11,6 +11,7 @@ mod history;
 mod large_groups;
 mod message_ops;
 mod offline_hook;
+mod protobuf;
 mod proxy;
 mod reads;
 mod rooms;

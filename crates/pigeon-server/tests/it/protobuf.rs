@@ -1,0 +1,364 @@
+//! The `pigeon.v1.proto` subprotocol, from a client that knows only `proto/pigeon.proto`:
+//! it compiles the file itself and builds and reads frames field by field.
+
+use super::*;
+use futures_util::{SinkExt, StreamExt};
+use prost::Message as _;
+use prost_reflect::ReflectMessage as _;
+use prost_reflect::{DynamicMessage, MapKey, MessageDescriptor, Value as PValue};
+use tokio_tungstenite::tungstenite::Message as Ws;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+fn schema() -> (MessageDescriptor, MessageDescriptor) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let pool = protox::compile([dir.join("pigeon.proto")], [dir])
+        .map(|set| prost_reflect::DescriptorPool::from_file_descriptor_set(set).unwrap())
+        .expect("proto/pigeon.proto compiles");
+    (
+        pool.get_message_by_name("pigeon.v1.ClientFrame").unwrap(),
+        pool.get_message_by_name("pigeon.v1.ServerFrame").unwrap(),
+    )
+}
+
+struct ProtoClient {
+    ws: Socket,
+    client: MessageDescriptor,
+    server: MessageDescriptor,
+}
+
+impl ProtoClient {
+    async fn connect(s: &TestServer, token: &str, device: &str) -> (ProtoClient, Option<String>) {
+        let mut req = format!("{}/v1/ws?device_id={device}", s.ws_base)
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        req.headers_mut().insert(
+            "sec-websocket-protocol",
+            "pigeon.v1.proto, pigeon.v1.json".parse().unwrap(),
+        );
+        let (ws, resp) = tokio_tungstenite::connect_async(req).await.unwrap();
+        let chosen = resp
+            .headers()
+            .get("sec-websocket-protocol")
+            .map(|v| v.to_str().unwrap().to_owned());
+        let (client, server) = schema();
+        (ProtoClient { ws, client, server }, chosen)
+    }
+
+    /// A `ClientFrame` with `req` and the oneof member `kind` set to `body`.
+    fn frame(&self, req: Option<i64>, kind: &str, body: DynamicMessage) -> Vec<u8> {
+        let mut f = DynamicMessage::new(self.client.clone());
+        if let Some(r) = req {
+            f.set_field_by_name("req", PValue::I64(r));
+        }
+        f.set_field_by_name(kind, PValue::Message(body));
+        f.encode_to_vec()
+    }
+
+    /// An empty message of the type of `kind`'s member of the `ClientFrame` oneof.
+    fn body(&self, kind: &str) -> DynamicMessage {
+        let field = self.client.get_field_by_name(kind).unwrap();
+        DynamicMessage::new(field.kind().as_message().unwrap().clone())
+    }
+
+    async fn send(&mut self, bytes: Vec<u8>) {
+        self.ws.send(Ws::Binary(bytes.into())).await.unwrap();
+    }
+
+    /// The next server frame: (its kind, the envelope).
+    async fn recv(&mut self) -> (String, DynamicMessage) {
+        loop {
+            let m = tokio::time::timeout(WAIT, self.ws.next())
+                .await
+                .expect("a frame in time")
+                .expect("open")
+                .expect("a frame");
+            match m {
+                Ws::Binary(b) => {
+                    let f = DynamicMessage::decode(self.server.clone(), b.as_ref())
+                        .expect("a ServerFrame");
+                    let kind = f
+                        .fields()
+                        .map(|(d, _)| d.name().to_owned())
+                        .find(|n| n != "req")
+                        .expect("a frame kind");
+                    return (kind, f);
+                }
+                Ws::Ping(_) | Ws::Pong(_) => continue,
+                other => panic!("a binary frame, not {other:?}"),
+            }
+        }
+    }
+
+    /// Waits for a frame of `kind`, skipping others.
+    async fn recv_kind(&mut self, kind: &str) -> DynamicMessage {
+        loop {
+            let (k, f) = self.recv().await;
+            if k == kind {
+                return f;
+            }
+        }
+    }
+}
+
+fn member(f: &DynamicMessage, name: &str) -> DynamicMessage {
+    f.get_field_by_name(name)
+        .unwrap_or_else(|| panic!("no {name}"))
+        .as_message()
+        .unwrap_or_else(|| panic!("{name} is a message"))
+        .clone()
+}
+
+fn u64_of(f: &DynamicMessage, name: &str) -> u64 {
+    f.get_field_by_name(name).unwrap().as_u64().unwrap()
+}
+
+fn str_of(f: &DynamicMessage, name: &str) -> String {
+    f.get_field_by_name(name)
+        .unwrap()
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn a_protobuf_client_sends_receives_syncs_and_pulls() {
+    let s = spawn_server().await;
+    let (ann, bob) = (s.token(501).await, s.token(502).await);
+    let (mut p, chosen) = ProtoClient::connect(&s, &ann, "pb").await;
+    assert_eq!(
+        chosen.as_deref(),
+        Some("pigeon.v1.proto"),
+        "the server chose it"
+    );
+
+    // hello, as protobuf.
+    let hello = p.recv_kind("hello").await;
+    let h = member(&hello, "hello");
+    assert_eq!(u64_of(&h, "user_id"), 501);
+    assert_eq!(str_of(&h, "device_id"), "pb");
+    assert!(
+        h.get_field_by_name("server_time")
+            .unwrap()
+            .as_i64()
+            .unwrap()
+            > 0
+    );
+
+    // A JSON client in the same chat.
+    let mut b = s.ws(&bob, "json").await;
+
+    // send → send_ack with the same req; the JSON peer gets the message.
+    let mut send = p.body("send");
+    send.set_field_by_name("client_msg_id", PValue::String("pb-1".into()));
+    let mut to = DynamicMessage::new(
+        send.descriptor()
+            .get_field_by_name("to")
+            .unwrap()
+            .kind()
+            .as_message()
+            .unwrap()
+            .clone(),
+    );
+    to.set_field_by_name("user", PValue::U64(502));
+    send.set_field_by_name("to", PValue::Message(to));
+    send.set_field_by_name("kind", PValue::String("text".into()));
+    send.set_field_by_name("content", PValue::String("over protobuf".into()));
+    p.send(p.frame(Some(7), "send", send)).await;
+    let acked = p.recv_kind("send_ack").await;
+    assert_eq!(acked.get_field_by_name("req").unwrap().as_i64(), Some(7));
+    let ack = member(&acked, "send_ack");
+    assert_eq!(str_of(&ack, "conversation_id"), "501-502");
+    assert_eq!(u64_of(&ack, "seq"), 1);
+    assert!(
+        !ack.get_field_by_name("duplicate")
+            .unwrap()
+            .as_bool()
+            .unwrap()
+    );
+    let pushed = next_msg(&mut b).await;
+    assert_eq!(pushed["message"]["content"], "over protobuf");
+    assert_eq!(
+        pushed["message"]["msg_id"].as_str(),
+        Some(str_of(&ack, "msg_id").as_str())
+    );
+
+    // The sender's own push comes too, after its ack.
+    let own = member(&p.recv_kind("msg").await, "msg");
+    assert_eq!(str_of(&member(&own, "message"), "content"), "over protobuf");
+
+    // A JSON sender's message reaches the protobuf client whole, extra included.
+    let frame = send_frame(
+        json!({"client_msg_id": "j-1", "to": {"user": 501}, "kind": "custom",
+        "content": "c", "extra": {"card": "x", "ok": true}, "mentions": [501]}),
+    );
+    request(&mut b, frame, 3).await;
+    let msg = member(&p.recv_kind("msg").await, "msg");
+    assert_eq!(u64_of(&msg, "user_seq"), 2);
+    let m = member(&msg, "message");
+    assert_eq!(str_of(&m, "kind"), "custom");
+    assert_eq!(u64_of(&m, "sender"), 502);
+    assert_eq!(u64_of(&m, "seq"), 2);
+    assert_eq!(str_of(&m, "client_msg_id"), "j-1");
+    let mentions = m.get_field_by_name("mentions").unwrap();
+    assert_eq!(mentions.as_list().unwrap(), &[PValue::U64(501)]);
+    let extra = member(&m, "extra");
+    let fields = member(&extra, "struct_value");
+    let map = fields.get_field_by_name("fields").unwrap();
+    let map = map.as_map().unwrap();
+    let card = map.get(&MapKey::String("card".into())).unwrap();
+    assert_eq!(
+        card.as_message()
+            .unwrap()
+            .get_field_by_name("string_value")
+            .unwrap()
+            .as_str(),
+        Some("x")
+    );
+
+    // ack, then sync from 0 and pull the user chain.
+    let mut ack = p.body("ack");
+    ack.set_field_by_name("user_seq", PValue::U64(2));
+    p.send(p.frame(None, "ack", ack)).await;
+    let mut sync = p.body("sync");
+    sync.set_field_by_name("user_seq", PValue::U64(0));
+    p.send(p.frame(Some(8), "sync", sync)).await;
+    let synced = p.recv_kind("sync_result").await;
+    assert_eq!(synced.get_field_by_name("req").unwrap().as_i64(), Some(8));
+    assert_eq!(u64_of(&member(&synced, "sync_result"), "user_seq"), 2);
+    let mut pull = p.body("pull");
+    pull.set_field_by_name("chain", PValue::String("user".into()));
+    pull.set_field_by_name("from", PValue::U64(1));
+    p.send(p.frame(Some(9), "pull", pull)).await;
+    let pulled = member(&p.recv_kind("pull_result").await, "pull_result");
+    let items = pulled.get_field_by_name("items").unwrap();
+    let seqs: Vec<u64> = items
+        .as_list()
+        .unwrap()
+        .iter()
+        .map(|i| u64_of(i.as_message().unwrap(), "seq"))
+        .collect();
+    assert_eq!(seqs, vec![1, 2]);
+
+    // ping → pong with its req.
+    p.send(p.frame(Some(10), "ping", p.body("ping"))).await;
+    let pong = p.recv_kind("pong").await;
+    assert_eq!(pong.get_field_by_name("req").unwrap().as_i64(), Some(10));
+}
+
+#[tokio::test]
+async fn bad_protobuf_frames_get_an_error_and_the_connection_stays() {
+    let s = spawn_server().await;
+    let token = s.token(511).await;
+    let (mut p, _) = ProtoClient::connect(&s, &token, "pb").await;
+    p.recv_kind("hello").await;
+
+    // Not protobuf at all.
+    p.send(vec![0xff, 0xff, 0xff]).await;
+    let (kind, e) = p.recv().await;
+    assert_eq!(kind, "error");
+    assert_eq!(str_of(&member(&e, "error"), "code"), "invalid_argument");
+
+    // An envelope with no frame in its oneof.
+    let mut empty = DynamicMessage::new(p.client.clone());
+    empty.set_field_by_name("req", PValue::I64(4));
+    p.send(empty.encode_to_vec()).await;
+    let (kind, e) = p.recv().await;
+    assert_eq!(kind, "error");
+    assert_eq!(str_of(&member(&e, "error"), "code"), "invalid_argument");
+
+    // A well-formed frame with a wrong field: the same error as in JSON, with its req.
+    let mut send = p.body("send");
+    send.set_field_by_name("client_msg_id", PValue::String("bad id!".into()));
+    send.set_field_by_name("kind", PValue::String("text".into()));
+    send.set_field_by_name("content", PValue::String("x".into()));
+    p.send(p.frame(Some(5), "send", send)).await;
+    let e = p.recv_kind("error").await;
+    assert_eq!(e.get_field_by_name("req").unwrap().as_i64(), Some(5));
+    assert_eq!(str_of(&member(&e, "error"), "code"), "invalid_argument");
+
+    // Still open.
+    p.send(p.frame(Some(6), "ping", p.body("ping"))).await;
+    let pong = p.recv_kind("pong").await;
+    assert_eq!(pong.get_field_by_name("req").unwrap().as_i64(), Some(6));
+}
+
+#[tokio::test]
+async fn a_client_asking_for_json_or_nothing_gets_json_text() {
+    let s = spawn_server().await;
+    let token = s.token(521).await;
+    for (asked, chosen) in [
+        (Some("pigeon.v1.json"), Some("pigeon.v1.json")),
+        (
+            Some("pigeon.v1.json, pigeon.v1.proto"),
+            Some("pigeon.v1.json"),
+        ),
+        (None, None),
+    ] {
+        let mut req = format!("{}/v1/ws?device_id=d", s.ws_base)
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        if let Some(p) = asked {
+            req.headers_mut()
+                .insert("sec-websocket-protocol", p.parse().unwrap());
+        }
+        let (mut ws, resp) = tokio_tungstenite::connect_async(req).await.unwrap();
+        assert_eq!(
+            resp.headers()
+                .get("sec-websocket-protocol")
+                .map(|v| v.to_str().unwrap()),
+            chosen
+        );
+        let first = tokio::time::timeout(WAIT, ws.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let Ws::Text(t) = first else {
+            panic!("a text hello, not {first:?}")
+        };
+        assert_eq!(serde_json::from_str::<Value>(&t).unwrap()["type"], "hello");
+    }
+}
+
+/// A map field (`sync.conversations`) crosses as JSON's object of positions.
+#[tokio::test]
+async fn sync_positions_of_read_fanout_groups_cross_as_a_map() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(531).await;
+    let token = s.token(531).await;
+    s.token(532).await;
+    s.token(533).await;
+    let group = new_group(&owner, &[532, 533]).await;
+    for i in 0..3 {
+        owner
+            .post(
+                "/v1/messages",
+                &text_to_conv(&format!("g-{i}"), &group, "x"),
+            )
+            .await
+            .unwrap();
+    }
+    let (mut p, _) = ProtoClient::connect(&s, &token, "pb").await;
+    p.recv_kind("hello").await;
+    let mut sync = p.body("sync");
+    sync.set_field_by_name("user_seq", PValue::U64(0));
+    let mut positions = std::collections::HashMap::new();
+    positions.insert(MapKey::String(group.clone()), PValue::U64(1));
+    sync.set_field_by_name("conversations", PValue::Map(positions));
+    p.send(p.frame(Some(1), "sync", sync)).await;
+    let r = member(&p.recv_kind("sync_result").await, "sync_result");
+    let convs = r.get_field_by_name("conversations").unwrap();
+    let convs = convs.as_list().unwrap();
+    assert_eq!(convs.len(), 1, "{convs:?}");
+    let c = convs[0].as_message().unwrap();
+    assert_eq!(str_of(c, "conversation_id"), group);
+    assert_eq!(u64_of(c, "cursor"), 1, "the position given in the map");
+    assert!(u64_of(c, "seq") >= 4);
+}
