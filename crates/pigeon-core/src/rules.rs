@@ -71,6 +71,11 @@ pub fn validate_send(
             limits.max_content_bytes
         )));
     }
+    if depth(&req.extra) > MAX_EXTRA_DEPTH {
+        return Err(DomainError::invalid(format!(
+            "extra nests deeper than {MAX_EXTRA_DEPTH} levels"
+        )));
+    }
     if req.mentions.len() > MAX_MENTIONS {
         return Err(DomainError::invalid(format!(
             "at most {MAX_MENTIONS} mentions"
@@ -89,6 +94,21 @@ pub fn validate_send(
         reply_to: req.reply_to,
         mentions: req.mentions,
     })
+}
+
+/// How deep a message's `extra` may nest (arrays and objects). Deeper structures are no
+/// app's card or payload, and the protobuf subprotocol carries `extra` as a
+/// `google.protobuf.Value`, whose decoders stop at 100 levels of messages (about three per
+/// level of JSON).
+pub const MAX_EXTRA_DEPTH: usize = 20;
+
+/// Levels of arrays and objects in `v` (0 for a scalar).
+fn depth(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+        serde_json::Value::Object(m) => 1 + m.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
 }
 
 /// Checks edited text like the content of a send.

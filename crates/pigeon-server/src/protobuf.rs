@@ -71,36 +71,76 @@ impl Schema {
             .map_err(Clone::clone)
     }
 
-    /// A client's binary frame as the JSON frame it stands for.
-    pub fn client_frame_to_json(&self, bytes: &[u8]) -> Result<String, String> {
+    /// A client's binary frame as the JSON frame it stands for. Every field without
+    /// presence is written, with its default when unset: a protobuf client cannot leave
+    /// such a field out, so `"seq":0` is what it sent, not a missing field. On an error,
+    /// the frame's `req` when it could be read.
+    pub fn client_frame_to_json(&self, bytes: &[u8]) -> Result<String, (Option<i64>, String)> {
         let envelope = DynamicMessage::decode(self.client.clone(), bytes)
-            .map_err(|e| format!("not a pigeon.v1.ClientFrame: {e}"))?;
-        let json = envelope_to_json(&envelope)?;
+            .map_err(|e| (None, format!("not a pigeon.v1.ClientFrame: {e}")))?;
+        let req = envelope.get_field_by_name("req").and_then(|r| {
+            envelope
+                .has_field_by_name("req")
+                .then(|| r.as_i64())
+                .flatten()
+        });
+        let mut json = envelope_to_json(&envelope, false).map_err(|e| (req, e))?;
+        whole_numbers_as_integers(&mut json);
         Ok(json.to_string())
     }
 
-    /// A server frame (JSON text) as the protobuf `ServerFrame` that carries it.
+    /// A server frame (JSON text) as the protobuf `ServerFrame` that carries it. A field the
+    /// schema lacks is left out (a test checks that none is: `to_proto_strict`).
     pub fn server_frame_to_proto(&self, json: &str) -> Result<Vec<u8>, String> {
-        json_to_envelope(&self.server, json).map(|m| m.encode_to_vec())
+        json_to_envelope(&self.server, json, false).map(|m| m.encode_to_vec())
     }
 
     /// A client frame (JSON text) as protobuf: what a client of this subprotocol sends
     /// (tests, tools).
     pub fn client_frame_to_proto(&self, json: &str) -> Result<Vec<u8>, String> {
-        json_to_envelope(&self.client, json).map(|m| m.encode_to_vec())
+        json_to_envelope(&self.client, json, true).map(|m| m.encode_to_vec())
     }
 
     /// A server's binary frame as JSON text: what a client of this subprotocol reads
-    /// (tests, tools).
+    /// (tests, tools). Unset fields are left out.
     pub fn server_frame_to_json(&self, bytes: &[u8]) -> Result<String, String> {
         let envelope = DynamicMessage::decode(self.server.clone(), bytes)
             .map_err(|e| format!("not a pigeon.v1.ServerFrame: {e}"))?;
-        Ok(envelope_to_json(&envelope)?.to_string())
+        Ok(envelope_to_json(&envelope, true)?.to_string())
+    }
+
+    /// [`Schema::server_frame_to_proto`], refusing a field the schema lacks (tests).
+    #[cfg(test)]
+    fn to_proto_strict(&self, json: &str) -> Result<Vec<u8>, String> {
+        json_to_envelope(&self.server, json, true).map(|m| m.encode_to_vec())
+    }
+}
+
+/// `google.protobuf.Value` numbers are doubles: a whole one that an integer holds exactly
+/// goes on as that integer, so that `"n":42` from a protobuf client reaches JSON clients as
+/// `42`, not `42.0`.
+fn whole_numbers_as_integers(v: &mut Value) {
+    match v {
+        Value::Number(n) => {
+            if let Some(f) = n.as_f64().filter(|_| n.is_f64())
+                && f.fract() == 0.0
+                && f.abs() <= 9_007_199_254_740_992.0
+            {
+                *v = Value::from(f as i64);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(whole_numbers_as_integers),
+        Value::Object(m) => m.values_mut().for_each(whole_numbers_as_integers),
+        _ => {}
     }
 }
 
 /// `{"type":T,"req":R,...}` → the envelope with `req` and oneof member `T` set.
-fn json_to_envelope(desc: &MessageDescriptor, json: &str) -> Result<DynamicMessage, String> {
+fn json_to_envelope(
+    desc: &MessageDescriptor,
+    json: &str,
+    strict: bool,
+) -> Result<DynamicMessage, String> {
     let Value::Object(mut fields) =
         serde_json::from_str::<Value>(json).map_err(|e| format!("not JSON: {e}"))?
     else {
@@ -109,6 +149,13 @@ fn json_to_envelope(desc: &MessageDescriptor, json: &str) -> Result<DynamicMessa
     let Some(Value::String(kind)) = fields.remove("type") else {
         return Err("a frame has a string type".into());
     };
+    if desc
+        .get_field_by_name(&kind)
+        .and_then(|f| f.containing_oneof())
+        .is_none()
+    {
+        return Err(format!("{} has no frame {kind}", desc.full_name()));
+    }
     let req = fields.remove("req");
     let mut envelope = Map::new();
     if let Some(req) = req {
@@ -118,18 +165,18 @@ fn json_to_envelope(desc: &MessageDescriptor, json: &str) -> Result<DynamicMessa
     DynamicMessage::deserialize_with_options(
         desc.clone(),
         Value::Object(envelope),
-        &DeserializeOptions::new(),
+        &DeserializeOptions::new().deny_unknown_fields(strict),
     )
     .map_err(|e| format!("does not fit {}: {e}", desc.full_name()))
 }
 
 /// The envelope → `{"type":T,"req":R,...}`, with JSON's field names and numbers as numbers;
-/// unset fields are left out, as a JSON client may leave them out.
-fn envelope_to_json(envelope: &DynamicMessage) -> Result<Value, String> {
+/// fields without presence that hold their default are left out when `skip_defaults`.
+fn envelope_to_json(envelope: &DynamicMessage, skip_defaults: bool) -> Result<Value, String> {
     let options = SerializeOptions::new()
         .stringify_64_bit_integers(false)
         .use_proto_field_name(true)
-        .skip_default_fields(true);
+        .skip_default_fields(skip_defaults);
     let value = envelope
         .serialize_with_options(serde_json::value::Serializer, &options)
         .map_err(|e| e.to_string())?;
@@ -284,7 +331,7 @@ mod tests {
         let schema = Schema::get().unwrap();
         for json in every_server_frame() {
             let bytes = schema
-                .server_frame_to_proto(&json)
+                .to_proto_strict(&json)
                 .unwrap_or_else(|e| panic!("{json}: {e}"));
             let back: Value =
                 serde_json::from_str(&schema.server_frame_to_json(&bytes).unwrap()).unwrap();
@@ -321,12 +368,15 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{json}: {e}"));
             let back: Value =
                 serde_json::from_str(&schema.client_frame_to_json(&bytes).unwrap()).unwrap();
-            assert_eq!(back, json);
-            // And the server reads it as the frame it is.
+            assert_eq!(back["req"], json["req"]);
+            // The server reads it as the frame the JSON is.
             let kind = json["type"].as_str().unwrap();
-            pigeon_proto::frames::ClientFrame::parse_typed(kind, &back.to_string())
-                .unwrap()
-                .unwrap_or_else(|e| panic!("{back}: {e}"));
+            let parse = |v: &Value| {
+                pigeon_proto::frames::ClientFrame::parse_typed(kind, &v.to_string())
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("{v}: {e}"))
+            };
+            assert_eq!(parse(&back), parse(&json), "{back}");
         }
     }
 
@@ -339,23 +389,67 @@ mod tests {
         let bytes = schema.client_frame_to_proto(&sync.to_string()).unwrap();
         let back: Value =
             serde_json::from_str(&schema.client_frame_to_json(&bytes).unwrap()).unwrap();
-        assert_eq!(back, sync);
+        assert_eq!(back["user_seq"], json!(0));
         let bare = json!({"type": "sync"});
         let bytes = schema.client_frame_to_proto(&bare.to_string()).unwrap();
         let back: Value =
             serde_json::from_str(&schema.client_frame_to_json(&bytes).unwrap()).unwrap();
-        assert_eq!(back, bare);
+        assert_eq!(back.get("user_seq"), None, "{back}");
+    }
+
+    /// A field without presence is there with its default: `read` with seq 0 is a read of
+    /// seq 0 (which the server then judges), not a frame missing its seq.
+    #[test]
+    fn fields_without_presence_arrive_with_their_defaults() {
+        let schema = Schema::get().unwrap();
+        let bytes = schema
+            .client_frame_to_proto(r#"{"type":"read","conversation_id":"1-2","seq":0}"#)
+            .unwrap();
+        let back: Value =
+            serde_json::from_str(&schema.client_frame_to_json(&bytes).unwrap()).unwrap();
+        assert_eq!(
+            back,
+            json!({"type": "read", "conversation_id": "1-2", "seq": 0})
+        );
+    }
+
+    /// Numbers in `extra` are doubles in protobuf; whole ones reach JSON as integers.
+    #[test]
+    fn whole_numbers_in_extra_stay_integers() {
+        let schema = Schema::get().unwrap();
+        let send = json!({"type": "send", "client_msg_id": "m", "to": {"user": 2}, "kind": "text",
+            "content": "x", "extra": {"n": 42, "big": 9007199254740992u64, "half": 0.5, "neg": -3}});
+        let bytes = schema.client_frame_to_proto(&send.to_string()).unwrap();
+        let back: Value =
+            serde_json::from_str(&schema.client_frame_to_json(&bytes).unwrap()).unwrap();
+        assert_eq!(back["extra"], send["extra"]);
+        assert_eq!(back["extra"]["n"].to_string(), "42");
+    }
+
+    /// A protobuf frame whose envelope decodes but holds no frame answers with its req.
+    #[test]
+    fn an_empty_envelope_is_refused_with_its_req() {
+        let schema = Schema::get().unwrap();
+        let mut empty = DynamicMessage::new(schema.client.clone());
+        empty.set_field_by_name("req", prost_reflect::Value::I64(12));
+        let (req, _) = schema
+            .client_frame_to_json(&empty.encode_to_vec())
+            .unwrap_err();
+        assert_eq!(req, Some(12));
     }
 
     #[test]
     fn frames_that_are_not_in_the_schema_are_refused_not_guessed() {
         let schema = Schema::get().unwrap();
         assert!(schema.server_frame_to_proto(r#"{"type":"nope"}"#).is_err());
+        let pong = r#"{"type":"pong","server_time":1,"surprise":2}"#;
         assert!(
-            schema
-                .server_frame_to_proto(r#"{"type":"pong","server_time":1,"surprise":2}"#)
-                .is_err(),
-            "a field the schema lacks is an error a test sees, not a silent drop"
+            schema.to_proto_strict(pong).is_err(),
+            "a field the schema lacks is an error a test sees"
+        );
+        assert!(
+            schema.server_frame_to_proto(pong).is_ok(),
+            "and a frame that still goes out, without it, in a running server"
         );
         assert!(schema.client_frame_to_json(&[0xff, 0xff]).is_err());
     }

@@ -105,6 +105,21 @@ impl ProtoClient {
     }
 }
 
+/// A `SendTarget` to `user`, for a `send` body.
+fn to_user(send: &DynamicMessage, user: u64) -> DynamicMessage {
+    let desc = send
+        .descriptor()
+        .get_field_by_name("to")
+        .unwrap()
+        .kind()
+        .as_message()
+        .unwrap()
+        .clone();
+    let mut to = DynamicMessage::new(desc);
+    to.set_field_by_name("user", PValue::U64(user));
+    to
+}
+
 fn member(f: &DynamicMessage, name: &str) -> DynamicMessage {
     f.get_field_by_name(name)
         .unwrap_or_else(|| panic!("no {name}"))
@@ -155,17 +170,7 @@ async fn a_protobuf_client_sends_receives_syncs_and_pulls() {
     // send → send_ack with the same req; the JSON peer gets the message.
     let mut send = p.body("send");
     send.set_field_by_name("client_msg_id", PValue::String("pb-1".into()));
-    let mut to = DynamicMessage::new(
-        send.descriptor()
-            .get_field_by_name("to")
-            .unwrap()
-            .kind()
-            .as_message()
-            .unwrap()
-            .clone(),
-    );
-    to.set_field_by_name("user", PValue::U64(502));
-    send.set_field_by_name("to", PValue::Message(to));
+    send.set_field_by_name("to", PValue::Message(to_user(&send, 502)));
     send.set_field_by_name("kind", PValue::String("text".into()));
     send.set_field_by_name("content", PValue::String("over protobuf".into()));
     p.send(p.frame(Some(7), "send", send)).await;
@@ -273,13 +278,28 @@ async fn bad_protobuf_frames_get_an_error_and_the_connection_stays() {
 
     // A well-formed frame with a wrong field: the same error as in JSON, with its req.
     let mut send = p.body("send");
+    send.set_field_by_name("to", PValue::Message(to_user(&send, 512)));
     send.set_field_by_name("client_msg_id", PValue::String("bad id!".into()));
     send.set_field_by_name("kind", PValue::String("text".into()));
     send.set_field_by_name("content", PValue::String("x".into()));
     p.send(p.frame(Some(5), "send", send)).await;
     let e = p.recv_kind("error").await;
     assert_eq!(e.get_field_by_name("req").unwrap().as_i64(), Some(5));
-    assert_eq!(str_of(&member(&e, "error"), "code"), "invalid_argument");
+    let e = member(&e, "error");
+    assert_eq!(str_of(&e, "code"), "invalid_argument");
+    assert!(str_of(&e, "message").contains("client_msg_id"), "{e:?}");
+
+    // A binary frame over 1 MiB is refused before it is decoded.
+    p.send(vec![0x0a; (1 << 20) + 1]).await;
+    let e = p.recv_kind("error").await;
+    assert_eq!(str_of(&member(&e, "error"), "code"), "payload_too_large");
+
+    // A JSON text frame on a protobuf connection is read, and answered in protobuf.
+    p.ws.send(Ws::Text(r#"{"type":"ping","req":11}"#.into()))
+        .await
+        .unwrap();
+    let pong = p.recv_kind("pong").await;
+    assert_eq!(pong.get_field_by_name("req").unwrap().as_i64(), Some(11));
 
     // Still open.
     p.send(p.frame(Some(6), "ping", p.body("ping"))).await;
@@ -361,4 +381,71 @@ async fn sync_positions_of_read_fanout_groups_cross_as_a_map() {
     assert_eq!(str_of(c, "conversation_id"), group);
     assert_eq!(u64_of(c, "cursor"), 1, "the position given in the map");
     assert!(u64_of(c, "seq") >= 4);
+}
+
+/// `extra` from a protobuf client (numbers are doubles there) reaches a JSON peer as the
+/// JSON it stands for, whole numbers as integers; a read's receipt and typing reach a
+/// protobuf device.
+#[tokio::test]
+async fn extra_receipts_and_typing_cross_between_the_two_subprotocols() {
+    let s = spawn_server().await;
+    let (ann, bob) = (s.token(541).await, s.token(542).await);
+    let (mut p, _) = ProtoClient::connect(&s, &ann, "pb").await;
+    p.recv_kind("hello").await;
+    let mut b = s.ws(&bob, "json").await;
+
+    let extra: Value = json!({"n": 42, "half": 0.5, "list": ["a", true, null], "deep": {"x": -3}});
+    let mut send = p.body("send");
+    send.set_field_by_name("to", PValue::Message(to_user(&send, 542)));
+    send.set_field_by_name("client_msg_id", PValue::String("pb-x".into()));
+    send.set_field_by_name("kind", PValue::String("custom".into()));
+    send.set_field_by_name("content", PValue::String("card".into()));
+    let extra_field = send.descriptor().get_field_by_name("extra").unwrap();
+    let value_desc = extra_field.kind().as_message().unwrap().clone();
+    let value = DynamicMessage::deserialize(value_desc, extra.clone()).unwrap();
+    send.set_field_by_name("extra", PValue::Message(value));
+    p.send(p.frame(Some(1), "send", send)).await;
+    p.recv_kind("send_ack").await;
+    let pushed = next_msg(&mut b).await;
+    assert_eq!(pushed["message"]["extra"], extra);
+    assert_eq!(pushed["message"]["extra"]["n"].to_string(), "42");
+
+    // Bob reads and types; Ann's protobuf device hears both.
+    b.send(&json!({"type": "read", "conversation_id": "541-542", "seq": 1}))
+        .await
+        .unwrap();
+    let r = member(&p.recv_kind("receipt").await, "receipt");
+    assert_eq!(u64_of(&r, "user_id"), 542);
+    assert_eq!(u64_of(&r, "last_read_seq"), 1);
+    b.send(&json!({"type": "typing", "conversation_id": "541-542"}))
+        .await
+        .unwrap();
+    let t = member(&p.recv_kind("typing").await, "typing");
+    assert_eq!(u64_of(&t, "user_id"), 542);
+}
+
+/// `extra` that nests deeper than protobuf decoders go is refused at the send, over JSON
+/// too, so no stored message is one a protobuf client cannot read.
+#[tokio::test]
+async fn extra_nesting_is_bounded() {
+    let s = spawn_server().await;
+    let ann = s.user(551).await;
+    s.token(552).await;
+    let mut deep = json!("leaf");
+    for _ in 0..21 {
+        deep = json!([deep]);
+    }
+    let mut body = text_to_user("deep", 552, "x");
+    body["extra"] = deep;
+    assert_eq!(
+        code_of(ann.post("/v1/messages", &body).await),
+        "invalid_argument"
+    );
+    let mut ok = json!("leaf");
+    for _ in 0..20 {
+        ok = json!({"k": ok});
+    }
+    body["extra"] = ok;
+    body["client_msg_id"] = json!("ok");
+    ann.post("/v1/messages", &body).await.unwrap();
 }
