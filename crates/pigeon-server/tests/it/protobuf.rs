@@ -94,6 +94,14 @@ impl ProtoClient {
         }
     }
 
+    /// A ping, answered by a pong with its req.
+    async fn ping(&mut self, req: i64) {
+        self.send(self.frame(Some(req), "ping", self.body("ping")))
+            .await;
+        let pong = self.recv_kind("pong").await;
+        assert_eq!(pong.get_field_by_name("req").unwrap().as_i64(), Some(req));
+    }
+
     /// Waits for a frame of `kind`, skipping others.
     async fn recv_kind(&mut self, kind: &str) -> DynamicMessage {
         loop {
@@ -250,9 +258,7 @@ async fn a_protobuf_client_sends_receives_syncs_and_pulls() {
     assert_eq!(seqs, vec![1, 2]);
 
     // ping → pong with its req.
-    p.send(p.frame(Some(10), "ping", p.body("ping"))).await;
-    let pong = p.recv_kind("pong").await;
-    assert_eq!(pong.get_field_by_name("req").unwrap().as_i64(), Some(10));
+    p.ping(10).await;
 }
 
 #[tokio::test]
@@ -302,9 +308,7 @@ async fn bad_protobuf_frames_get_an_error_and_the_connection_stays() {
     assert_eq!(pong.get_field_by_name("req").unwrap().as_i64(), Some(11));
 
     // Still open.
-    p.send(p.frame(Some(6), "ping", p.body("ping"))).await;
-    let pong = p.recv_kind("pong").await;
-    assert_eq!(pong.get_field_by_name("req").unwrap().as_i64(), Some(6));
+    p.ping(6).await;
 }
 
 #[tokio::test]
