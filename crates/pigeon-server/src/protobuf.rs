@@ -454,6 +454,49 @@ mod tests {
         assert!(schema.client_frame_to_json(&[0xff, 0xff]).is_err());
     }
 
+    /// What a protobuf connection costs per frame, beside a JSON one (which writes the
+    /// shared text as it is): measured, not asserted. Run with
+    /// `cargo test --release -p pigeon-server --lib transcoding_cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn transcoding_cost() {
+        let schema = Schema::get().unwrap();
+        let plain = {
+            let mut m = message();
+            m.extra = Value::Null;
+            msg_frame(&serde_json::to_string(&m).unwrap(), Some(10001))
+        };
+        let started = std::time::Instant::now();
+        for _ in 0..100_000 {
+            std::hint::black_box(schema.server_frame_to_proto(&plain).unwrap());
+        }
+        println!(
+            "msg push without extra to protobuf: {:.2} us",
+            started.elapsed().as_secs_f64() * 10.0
+        );
+        let push = msg_frame(&serde_json::to_string(&message()).unwrap(), Some(10001));
+        let send = json!({"type": "send", "req": 1, "client_msg_id": "m-1", "to": {"user": 222},
+            "kind": "text", "content": "hello there"})
+        .to_string();
+        let send_bytes = schema.client_frame_to_proto(&send).unwrap();
+        let n = 100_000;
+        let started = std::time::Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(schema.server_frame_to_proto(&push).unwrap());
+        }
+        let out = started.elapsed().as_secs_f64() * 1e6 / n as f64;
+        let started = std::time::Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(schema.client_frame_to_json(&send_bytes).unwrap());
+        }
+        let inbound = started.elapsed().as_secs_f64() * 1e6 / n as f64;
+        println!(
+            "msg push ({} bytes JSON, {} protobuf) to protobuf: {out:.2} us; send frame from protobuf: {inbound:.2} us",
+            push.len(),
+            schema.server_frame_to_proto(&push).unwrap().len()
+        );
+    }
+
     /// What protobuf cannot tell from a default: JSON `null`, `false`, `0`, `""` and `[]`
     /// of fields without presence, which the client then reads as their defaults.
     fn without_defaults(v: Value) -> Value {
