@@ -32,7 +32,7 @@ pub const ENDPOINTS: &[(&str, &str, Caller, &str)] = &[
         "get",
         "/v1/ws",
         Caller::User,
-        "WebSocket upgrade (PROTOCOL.md section 5)",
+        "WebSocket upgrade (PROTOCOL.md section 5); subprotocols pigeon.v1.json (text, the default) and pigeon.v1.proto (binary, proto/pigeon.proto)",
     ),
     (
         "post",
