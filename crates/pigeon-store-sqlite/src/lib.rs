@@ -1060,9 +1060,9 @@ mod tests {
     }
 
     /// A setting written while the applier's transaction is open (it holds the writer
-    /// connection while it gathers) is written, and so is the batch before it, durably.
+    /// connection while its transaction is open) is written, and so is the batch before it, durably.
     #[tokio::test]
-    async fn a_setting_written_while_batches_are_gathering_lands_with_them() {
+    async fn a_setting_written_while_a_transaction_is_open_lands_with_it() {
         let dir = temp_dir("meta-during-apply");
         let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
         for round in 1..=3u64 {
@@ -1070,7 +1070,7 @@ mod tests {
                 .commit(user_named(round, &format!("u{round}")))
                 .await
                 .unwrap();
-            // Not left waiting for the whole gathering window, nor for ever.
+            // Not left waiting for the transaction's whole 250 ms, nor for ever.
             tokio::time::timeout(
                 std::time::Duration::from_secs(2),
                 store.meta_set("k", &format!("v{round}")),
