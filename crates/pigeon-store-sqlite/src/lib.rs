@@ -351,6 +351,8 @@ impl SqliteStore {
             .map_err(err)?;
         conn.pragma_update(None, "cache_size", -16_000)
             .map_err(err)?;
+        // A statement per query and page size in use (see read.rs).
+        conn.set_prepared_statement_cache_capacity(64);
         conn.pragma_update(None, "mmap_size", 268_435_456)
             .map_err(err)?;
         Ok(conn)

