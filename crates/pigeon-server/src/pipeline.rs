@@ -42,6 +42,10 @@ pub enum ReplyTo {
     /// A WebSocket connection: the answer is queued on its outbox before any push of the same
     /// batch, so a sender always sees its `send_ack` before the `msg` of its message.
     Connection { outbox: Outbox, req: Option<i64> },
+    /// A barrier (`flush_tiers`): answered once the delivery task of `tier` has queued on
+    /// the outboxes every frame decided before it, so a connection that waited for it
+    /// finds its `send_ack`s (and their pushes) queued ahead of the reply it writes next.
+    AfterDelivery { tx: Answer, tier: Tier },
     /// Nobody waits.
     Nobody,
 }
@@ -268,7 +272,7 @@ impl Pipeline {
             self.queue(*tier)
                 .send(Envelope {
                     cmd: Command::Flush,
-                    reply: ReplyTo::Caller(tx),
+                    reply: ReplyTo::AfterDelivery { tx, tier: *tier },
                 })
                 .await
                 .map_err(|_| PipelineError::Unavailable)?;
@@ -326,7 +330,12 @@ struct Tiers {
 struct Delivery {
     replies: Vec<(Outbox, String)>,
     events: Vec<Event>,
+    /// Answered once the replies and events before them are queued.
+    after: Vec<(Answer, Result<Reply, PipelineError>)>,
 }
+
+/// Where a caller waits for its command's result.
+type Answer = oneshot::Sender<Result<Reply, PipelineError>>;
 
 /// What one send into a large conversation costs a batch; `None` when `cmd` is not one.
 fn large_cost(large: &LargeConversations, cmd: &Command) -> Option<u64> {
@@ -849,6 +858,12 @@ async fn deliver_batch(
                             .push((outbox, frame));
                     }
                 }
+                ReplyTo::AfterDelivery { tx, tier } => match tier {
+                    Tier::Fast => &mut fast,
+                    Tier::Bulk => &mut bulk,
+                }
+                .after
+                .push((tx, result.map_err(PipelineError::from))),
                 ReplyTo::Nobody => {}
             }
         }
@@ -894,7 +909,7 @@ async fn load(
 fn answer_all_unavailable(replies: impl IntoIterator<Item = ReplyTo>) {
     for r in replies {
         match r {
-            ReplyTo::Caller(tx) => {
+            ReplyTo::Caller(tx) | ReplyTo::AfterDelivery { tx, .. } => {
                 let _ = tx.send(Err(PipelineError::Unavailable));
             }
             ReplyTo::Connection { outbox, req } => {
@@ -933,7 +948,7 @@ pub fn error_frame(req: Option<i64>, e: &PipelineError) -> String {
 
 impl Delivery {
     fn is_empty(&self) -> bool {
-        self.replies.is_empty() && self.events.is_empty()
+        self.replies.is_empty() && self.events.is_empty() && self.after.is_empty()
     }
 }
 
@@ -943,6 +958,9 @@ async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
             outbox.send(Outgoing::Frame(frame.into()));
         }
         hub.publish(d.events);
+        for (tx, result) in d.after {
+            let _ = tx.send(result);
+        }
     }
 }
 

@@ -395,7 +395,23 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                     break Stop::Close(1008, "too many bad frames");
                 }
                 let mut ok = true;
+                // What was queued for this connection before these replies goes first: a
+                // `sync` or `pull` waited for the barrier, by which its sends' `send_ack`s
+                // and pushes are on the outbox, and the protocol answers frames in order.
+                if !replies.is_empty() {
+                    while let Ok(out) = out_rx.try_recv() {
+                        if let Some(frame) = conn.frame_to_write(out)
+                            && sink.feed(codec.message(frame)).await.is_err()
+                        {
+                            ok = false;
+                            break;
+                        }
+                    }
+                }
                 for r in replies {
+                    if !ok {
+                        break;
+                    }
                     if sink.feed(codec.message(r.into())).await.is_err() {
                         ok = false;
                         break;

@@ -497,3 +497,39 @@ async fn sync_lists_only_read_fanout_groups() {
         "{r}"
     );
 }
+
+/// Frames of one connection are answered in the order they came: a `send` then a `pull`
+/// sent at once get the `send_ack` (and the sender's own `msg`) before the `pull_result`,
+/// which holds the message.
+#[tokio::test]
+async fn a_send_then_a_pull_are_answered_in_that_order() {
+    let s = spawn_server().await;
+    let (ann, _bob) = (s.token(601).await, s.token(602).await);
+    let mut ws = s.ws(&ann, "d").await;
+    for round in 1..=20u64 {
+        let mut send = send_frame(text_to_user(&format!("o-{round}"), 602, "x"));
+        send["req"] = json!(round * 10);
+        ws.send(&send).await.unwrap();
+        ws.send(&json!({"type": "pull", "req": round * 10 + 1, "chain": "user", "from": round}))
+            .await
+            .unwrap();
+        let mut kinds = Vec::new();
+        while kinds.last().map(String::as_str) != Some("pull_result") {
+            let f = ws.recv(WAIT).await.unwrap().expect("a frame");
+            let kind = f["type"].as_str().unwrap().to_owned();
+            if kind == "pull_result" {
+                let seqs = item_seqs(&f);
+                assert_eq!(
+                    seqs,
+                    vec![round],
+                    "the pull holds the message sent before it"
+                );
+            }
+            kinds.push(kind);
+        }
+        assert_eq!(kinds, ["send_ack", "msg", "pull_result"], "round {round}");
+        ws.send(&json!({"type": "ack", "user_seq": round}))
+            .await
+            .unwrap();
+    }
+}
