@@ -98,8 +98,9 @@ pub fn validate_send(
 
 /// How deep a message's `extra` may nest (arrays and objects). Deeper structures are no
 /// app's card or payload, and the protobuf subprotocol carries `extra` as a
-/// `google.protobuf.Value`, whose decoders stop at 100 levels of messages (about three per
-/// level of JSON).
+/// `google.protobuf.Value`, whose decoders stop at 100 levels of messages: about three per
+/// level of JSON, and a few for the frame around it, so about 30 levels would decode; 20
+/// leaves a margin.
 pub const MAX_EXTRA_DEPTH: usize = 20;
 
 /// Levels of arrays and objects in `v` (0 for a scalar).

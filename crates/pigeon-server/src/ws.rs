@@ -93,19 +93,18 @@ pub async fn upgrade(
 /// upgrade picks the first of these that the client offered, and the client's order is its
 /// preference.
 fn subprotocols_by_preference(headers: &HeaderMap) -> [&'static str; 2] {
-    const JSON: &str = "pigeon.v1.json";
     let proto_first = headers
         .get_all(header::SEC_WEBSOCKET_PROTOCOL)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(str::trim)
-        .find(|p| *p == JSON || *p == protobuf::SUBPROTOCOL)
+        .find(|p| *p == protobuf::JSON_SUBPROTOCOL || *p == protobuf::SUBPROTOCOL)
         == Some(protobuf::SUBPROTOCOL);
     if proto_first {
-        [protobuf::SUBPROTOCOL, JSON]
+        [protobuf::SUBPROTOCOL, protobuf::JSON_SUBPROTOCOL]
     } else {
-        [JSON, protobuf::SUBPROTOCOL]
+        [protobuf::JSON_SUBPROTOCOL, protobuf::SUBPROTOCOL]
     }
 }
 
@@ -197,11 +196,9 @@ enum Codec {
 impl Codec {
     fn of(socket: &WebSocket) -> Codec {
         match socket.protocol().map(|p| p.as_bytes()) {
-            Some(p) if p == protobuf::SUBPROTOCOL.as_bytes() => match protobuf::Schema::get() {
-                Ok(schema) => Codec::Proto(schema),
-                // Compiled at start; a server that started has it.
-                Err(_) => Codec::Json,
-            },
+            Some(p) if p == protobuf::SUBPROTOCOL.as_bytes() => {
+                Codec::Proto(protobuf::Schema::get().expect("the schema is compiled at start"))
+            }
             _ => Codec::Json,
         }
     }
@@ -210,45 +207,37 @@ impl Codec {
     fn message(self, frame: Utf8Bytes) -> WsMessage {
         match self {
             Codec::Json => WsMessage::Text(frame),
-            Codec::Proto(schema) => match schema.server_frame_to_proto(frame.as_str()) {
-                Ok(bytes) => WsMessage::Binary(bytes.into()),
-                Err(e) => {
-                    // Only a message whose `extra` nests deeper than protobuf decoders go
-                    // (stored before sends were limited to MAX_EXTRA_DEPTH) gets here: it
-                    // goes without its `extra` rather than not at all, and never as text
-                    // on a binary subprotocol.
-                    tracing::warn!(error = %e, "a server frame does not fit protobuf; sent without extra");
-                    let mut v: serde_json::Value =
-                        serde_json::from_str(frame.as_str()).unwrap_or_default();
-                    drop_extra(&mut v);
-                    // Failing again (no frame kind of the schema): an empty envelope,
-                    // which a client skips as an unknown frame.
-                    let bytes = schema.server_frame_to_proto(&v.to_string());
-                    if let Err(e) = &bytes {
-                        tracing::error!(error = %e, "a server frame has no protobuf form");
-                    }
-                    WsMessage::Binary(bytes.unwrap_or_default().into())
-                }
-            },
+            Codec::Proto(schema) => {
+                WsMessage::Binary(schema.server_frame_for_client(frame.as_str()).into())
+            }
         }
     }
 }
 
-/// Sets every `extra` in a frame to null.
-fn drop_extra(v: &mut serde_json::Value) {
-    match v {
-        serde_json::Value::Object(m) => {
-            for (k, v) in m.iter_mut() {
-                if k == "extra" {
-                    *v = serde_json::Value::Null;
-                } else {
-                    drop_extra(v);
-                }
-            }
+/// Feeds `first` and then what the outbox holds (at most `max` frames in all) to the socket,
+/// without flushing. False once the socket failed.
+async fn feed_queued(
+    conn: &mut Connection,
+    sink: &mut futures_util::stream::SplitSink<WebSocket, WsMessage>,
+    out_rx: &mut tokio::sync::mpsc::Receiver<Outgoing>,
+    codec: Codec,
+    first: Option<Outgoing>,
+    max: usize,
+) -> bool {
+    let mut next = first.or_else(|| out_rx.try_recv().ok());
+    let mut n = 0;
+    while let Some(out) = next.take() {
+        if let Some(frame) = conn.frame_to_write(out)
+            && sink.feed(codec.message(frame)).await.is_err()
+        {
+            return false;
         }
-        serde_json::Value::Array(a) => a.iter_mut().for_each(drop_extra),
-        _ => {}
+        n += 1;
+        if n < max {
+            next = out_rx.try_recv().ok();
+        }
     }
+    true
 }
 
 async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
@@ -325,11 +314,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
             biased;
             _ = kill.notified() => {
                 // Write what is queued (a `kicked` frame) before closing.
-                while let Ok(out) = out_rx.try_recv() {
-                    if let Some(frame) = conn.frame_to_write(out) {
-                        let _ = sink.feed(codec.message(frame)).await;
-                    }
-                }
+                feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
                 let reason = *conn.outbox.kill_reason.lock().expect("kill reason lock");
                 break match reason {
                     Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
@@ -338,21 +323,8 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
             }
             _ = shutdown.changed() => break Stop::Close(1001, "server shutting down"),
             Some(out) = out_rx.recv() => {
-                let mut n = 0;
-                let mut next = Some(out);
-                let mut failed = false;
-                while let Some(out) = next.take() {
-                    if let Some(frame) = conn.frame_to_write(out)
-                        && sink.feed(codec.message(frame)).await.is_err() {
-                            failed = true;
-                            break;
-                        }
-                    n += 1;
-                    if n < COALESCE_MAX {
-                        next = out_rx.try_recv().ok();
-                    }
-                }
-                if failed || sink.flush().await.is_err() {
+                let fed = feed_queued(&mut conn, &mut sink, &mut out_rx, codec, Some(out), COALESCE_MAX).await;
+                if !fed || sink.flush().await.is_err() {
                     break Stop::Gone;
                 }
             }
@@ -374,11 +346,8 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                     // (3 432 bytes inline, 1 792 boxed).
                     WsMessage::Text(t) => Box::pin(conn.handle_text(t.as_str())).await,
                     WsMessage::Binary(b) => match codec {
-                        Codec::Proto(_) if b.len() > MAX_FRAME_BYTES => {
-                            // Not decoded: a small protobuf frame can stand for a large tree.
-                            conn.count_bad_frame();
-                            vec![ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(None)]
-                        }
+                        // Not decoded: a small protobuf frame can stand for a large tree.
+                        Codec::Proto(_) if b.len() > MAX_FRAME_BYTES => conn.too_large(None),
                         Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
                             Ok(text) => Box::pin(conn.handle_text(&text)).await,
                             Err((req, e)) => conn.bad_frame(req, &e),
@@ -394,20 +363,11 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
                     }
                     break Stop::Close(1008, "too many bad frames");
                 }
-                let mut ok = true;
                 // What was queued for this connection before these replies goes first: a
                 // `sync` or `pull` waited for the barrier, by which its sends' `send_ack`s
                 // and pushes are on the outbox, and the protocol answers frames in order.
-                if !replies.is_empty() {
-                    while let Ok(out) = out_rx.try_recv() {
-                        if let Some(frame) = conn.frame_to_write(out)
-                            && sink.feed(codec.message(frame)).await.is_err()
-                        {
-                            ok = false;
-                            break;
-                        }
-                    }
-                }
+                let mut ok = replies.is_empty()
+                    || feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
                 for r in replies {
                     if !ok {
                         break;
@@ -527,6 +487,12 @@ impl Connection {
         vec![ApiError::invalid(message).frame(req)]
     }
 
+    /// The answer to a frame over [`MAX_FRAME_BYTES`], which counts as bad.
+    fn too_large(&mut self, req: Option<i64>) -> Vec<String> {
+        self.count_bad_frame();
+        vec![ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(req)]
+    }
+
     fn count_bad_frame(&mut self) {
         if self.bad_window_start.elapsed() > BAD_FRAME_WINDOW {
             self.bad_window_start = Instant::now();
@@ -543,10 +509,7 @@ impl Connection {
             let req = serde_json::from_str::<FrameHead>(text)
                 .ok()
                 .and_then(|h| h.req.and_then(|r| r.int()));
-            self.count_bad_frame();
-            return vec![
-                ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(req),
-            ];
+            return self.too_large(req);
         }
         // First only what every frame has (the rest is skipped, but its syntax checked),
         // then the typed frame straight from the text: no intermediate JSON tree.
@@ -687,11 +650,7 @@ impl Connection {
                 app.rooms
                     .join(&r.room_id, self.user, self.conn_id, self.outbox.clone())
                     .map_err(|_| ApiError::not_found("room"))?;
-                if let Some(old) = self.room.take()
-                    && old != r.room_id
-                {
-                    app.rooms.leave(&old, self.user, self.conn_id);
-                }
+                // `join` took this connection out of the room it watched before.
                 self.room = Some(r.room_id);
                 Ok(Vec::new())
             }

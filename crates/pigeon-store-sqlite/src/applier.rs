@@ -282,14 +282,11 @@ impl StoreWrites {
             };
             last_cut_short = matches!(stepped, Ok(true));
             let Some(last) = taken.last().map(|t| t.0) else {
-                if let Err(e) = stepped {
-                    // Nothing was taken: the transaction could not even begin.
-                    if self.backlog.lock().expect("backlog lock").closed {
-                        tracing::error!(error = %e, "the tables cannot be written at close; the journal keeps what is queued");
-                        return;
-                    }
-                    tracing::error!(error = %e, "beginning a transaction on the tables failed; retrying");
-                    std::thread::sleep(RETRY_PAUSE);
+                // Nothing was taken: the transaction could not even begin.
+                if let Err(e) = stepped
+                    && self.closed_or_pause(&e, 0)
+                {
+                    return;
                 }
                 continue;
             };
@@ -418,16 +415,23 @@ impl StoreWrites {
             };
             match done {
                 Ok(()) => return true,
-                Err(e) => {
-                    if self.backlog.lock().expect("backlog lock").closed {
-                        tracing::error!(error = %e, lsn = last, "applying journaled batches failed at close; they stay in the journal");
-                        return false;
-                    }
-                    tracing::error!(error = %e, lsn = last, "applying journaled batches to the tables failed; retrying");
-                    std::thread::sleep(RETRY_PAUSE);
-                }
+                Err(e) if self.closed_or_pause(&e, last) => return false,
+                Err(_) => {}
             }
         }
+    }
+
+    /// After a failed write of the tables: true when the store is closing (the journal
+    /// keeps the batches, and the next open applies them); otherwise pauses before the
+    /// caller tries again. `lsn` is the newest batch concerned (0: none taken yet).
+    fn closed_or_pause(&self, e: &rusqlite::Error, lsn: u64) -> bool {
+        if self.backlog.lock().expect("backlog lock").closed {
+            tracing::error!(error = %e, lsn, "writing the tables failed at close; the journal keeps the batches");
+            return true;
+        }
+        tracing::error!(error = %e, lsn, "writing journaled batches to the tables failed; retrying");
+        std::thread::sleep(RETRY_PAUSE);
+        false
     }
 }
 

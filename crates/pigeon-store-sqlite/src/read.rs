@@ -537,7 +537,7 @@ mod tests {
             0,
             "prepared again"
         );
-        assert!(st.get_status(rusqlite::StatementStatus::Run) >= 5);
+        assert_eq!(st.get_status(rusqlite::StatementStatus::Run), 5);
     }
 
     #[test]

@@ -499,10 +499,10 @@ async fn sync_lists_only_read_fanout_groups() {
 }
 
 /// Frames of one connection are answered in the order they came: a `send` then a `pull`
-/// sent at once get the `send_ack` (and the sender's own `msg`) before the `pull_result`,
-/// which holds the message.
+/// (or a `sync`) sent at once get the `send_ack` (and the sender's own `msg`) before the
+/// `pull_result` (`sync_result`), which holds the message.
 #[tokio::test]
-async fn a_send_then_a_pull_are_answered_in_that_order() {
+async fn a_send_then_a_pull_or_sync_are_answered_in_that_order() {
     let s = spawn_server().await;
     let (ann, _bob) = (s.token(601).await, s.token(602).await);
     let mut ws = s.ws(&ann, "d").await;
@@ -510,24 +510,39 @@ async fn a_send_then_a_pull_are_answered_in_that_order() {
         let mut send = send_frame(text_to_user(&format!("o-{round}"), 602, "x"));
         send["req"] = json!(round * 10);
         ws.send(&send).await.unwrap();
-        ws.send(&json!({"type": "pull", "req": round * 10 + 1, "chain": "user", "from": round}))
-            .await
-            .unwrap();
+        let (read, answer) = if round % 2 == 0 {
+            (
+                json!({"type": "sync", "req": round * 10 + 1, "user_seq": round - 1}),
+                "sync_result",
+            )
+        } else {
+            (
+                json!({"type": "pull", "req": round * 10 + 1, "chain": "user", "from": round}),
+                "pull_result",
+            )
+        };
+        ws.send(&read).await.unwrap();
         let mut kinds = Vec::new();
-        while kinds.last().map(String::as_str) != Some("pull_result") {
+        while kinds.last().map(String::as_str) != Some(answer) {
             let f = ws.recv(WAIT).await.unwrap().expect("a frame");
             let kind = f["type"].as_str().unwrap().to_owned();
             if kind == "pull_result" {
-                let seqs = item_seqs(&f);
                 assert_eq!(
-                    seqs,
+                    item_seqs(&f),
                     vec![round],
                     "the pull holds the message sent before it"
                 );
             }
+            if kind == "sync_result" {
+                assert_eq!(
+                    f["user_seq"],
+                    json!(round),
+                    "the sync counts the message sent before it"
+                );
+            }
             kinds.push(kind);
         }
-        assert_eq!(kinds, ["send_ack", "msg", "pull_result"], "round {round}");
+        assert_eq!(kinds, ["send_ack", "msg", answer], "round {round}");
         ws.send(&json!({"type": "ack", "user_seq": round}))
             .await
             .unwrap();

@@ -280,6 +280,7 @@ async fn bad_protobuf_frames_get_an_error_and_the_connection_stays() {
     p.send(empty.encode_to_vec()).await;
     let (kind, e) = p.recv().await;
     assert_eq!(kind, "error");
+    assert_eq!(e.get_field_by_name("req").unwrap().as_i64(), Some(4));
     assert_eq!(str_of(&member(&e, "error"), "code"), "invalid_argument");
 
     // A well-formed frame with a wrong field: the same error as in JSON, with its req.
@@ -384,7 +385,7 @@ async fn sync_positions_of_read_fanout_groups_cross_as_a_map() {
     let c = convs[0].as_message().unwrap();
     assert_eq!(str_of(c, "conversation_id"), group);
     assert_eq!(u64_of(c, "cursor"), 1, "the position given in the map");
-    assert!(u64_of(c, "seq") >= 4);
+    assert_eq!(u64_of(c, "seq"), 4, "group_created and three sends");
 }
 
 /// `extra` from a protobuf client (numbers are doubles there) reaches a JSON peer as the
@@ -434,10 +435,12 @@ async fn extra_receipts_and_typing_cross_between_the_two_subprotocols() {
 async fn extra_nesting_is_bounded() {
     let s = spawn_server().await;
     let ann = s.user(551).await;
-    s.token(552).await;
+    let bob = s.token(552).await;
+    let (mut p, _) = ProtoClient::connect(&s, &bob, "pb").await;
+    p.recv_kind("hello").await;
     let mut deep = json!("leaf");
     for _ in 0..21 {
-        deep = json!([deep]);
+        deep = json!({"k": deep});
     }
     let mut body = text_to_user("deep", 552, "x");
     body["extra"] = deep;
@@ -452,4 +455,18 @@ async fn extra_nesting_is_bounded() {
     body["extra"] = ok;
     body["client_msg_id"] = json!("ok");
     ann.post("/v1/messages", &body).await.unwrap();
+    // The deepest allowed reaches a protobuf device whole, as a binary frame.
+    let m = member(&member(&p.recv_kind("msg").await, "msg"), "message");
+    let mut level = member(&m, "extra");
+    for _ in 0..20 {
+        let fields = member(&level, "struct_value");
+        let map = fields.get_field_by_name("fields").unwrap();
+        let inner = map
+            .as_map()
+            .unwrap()
+            .get(&MapKey::String("k".into()))
+            .unwrap();
+        level = inner.as_message().unwrap().clone();
+    }
+    assert_eq!(str_of(&level, "string_value"), "leaf");
 }
