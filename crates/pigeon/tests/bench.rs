@@ -87,6 +87,88 @@ fn direct_at_a_fixed_rate() {
     assert!(v["acked"].as_u64().unwrap() > 0, "{v:#}");
 }
 
+/// `--warmup` leaves the first second's messages out of the latency figures only, and
+/// `--trace` writes one line per delivery, warm-up included, in send order.
+#[test]
+fn direct_with_a_warmup_and_a_trace() {
+    let trace = std::env::temp_dir().join(format!("pigeon-bench-trace-{}.csv", std::process::id()));
+    let _ = std::fs::remove_file(&trace);
+    let v = bench(
+        "direct-trace",
+        &[
+            "direct",
+            "--users",
+            "4",
+            "--duration",
+            "2",
+            "--rate",
+            "200",
+            "--warmup",
+            "1",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    );
+    assert_clean(&v, "direct", &["warmup_secs"]);
+    assert_eq!(v["warmup_secs"], 1.0, "{v:#}");
+    let delivered = v["delivered"].as_u64().unwrap();
+    let timed = v["delivery_latency_ms"]["count"].as_u64().unwrap();
+    let acks_timed = v["ack_latency_ms"]["count"].as_u64().unwrap();
+    // 200/s for 2 s: about 400 delivered, about half of them after the warm-up.
+    assert!(delivered >= 300, "{v:#}");
+    assert!(
+        timed > 0 && timed < delivered * 3 / 4,
+        "{timed} of {delivered}: {v:#}"
+    );
+    assert!(
+        acks_timed > 0 && acks_timed < v["acked"].as_u64().unwrap() * 3 / 4,
+        "{v:#}"
+    );
+
+    let text = std::fs::read_to_string(&trace).expect("the trace is written");
+    let _ = std::fs::remove_file(&trace);
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("sent_ms,latency_ms"));
+    let rows: Vec<(f64, f64)> = lines
+        .map(|l| {
+            let (s, lat) = l.split_once(',').expect("two fields");
+            (s.parse().unwrap(), lat.parse().unwrap())
+        })
+        .collect();
+    assert_eq!(rows.len() as u64, delivered, "one line per delivery");
+    assert!(rows.windows(2).all(|w| w[0].0 <= w[1].0), "in send order");
+    assert!(
+        rows.iter()
+            .all(|r| r.0 >= -1.0 && r.0 < 2_100.0 && r.1 >= 0.0)
+    );
+    let in_warmup = rows.iter().filter(|r| r.0 < 1_000.0).count() as u64;
+    assert!(in_warmup > 0, "the warm-up is in the trace");
+    assert_eq!(
+        timed,
+        delivered - in_warmup,
+        "the latency figure leaves out the warm-up"
+    );
+}
+
+#[test]
+fn a_warmup_as_long_as_the_run_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+        .args([
+            "bench",
+            "direct",
+            "--spawn",
+            "--duration",
+            "1",
+            "--warmup",
+            "1",
+        ])
+        .output()
+        .expect("pigeon bench runs");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--warmup"), "{stderr}");
+}
+
 #[test]
 fn group_write_and_read_fanout() {
     let v = bench(

@@ -11,6 +11,8 @@ use std::time::Duration;
 pub struct Args {
     #[command(flatten)]
     pub common: Common,
+    #[command(flatten)]
+    pub latency: driver::LatencyArgs,
     /// Users, in pairs (an odd last one is left out); one connection each
     #[arg(long, default_value_t = 100)]
     pub users: usize,
@@ -35,6 +37,7 @@ pub async fn run(a: Args) -> Res<ExitCode> {
         return Err(format!("--users must be 2..={MAX_CONNECTIONS_PER_PROCESS}"));
     }
     check_common(a.window, a.rate, a.duration)?;
+    a.latency.check(a.duration)?;
     let target = Target::open(&a.common).await?;
     let result = body(&a, users, &target).await;
     target.close().await;
@@ -75,8 +78,8 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
         &target.ws_base(),
         specs,
         target.pid,
-        a.duration,
-        a.common.drain_secs,
+        (a.duration, a.common.drain_secs),
+        &a.latency,
     )
     .await?;
     let mut rep = Report::new(

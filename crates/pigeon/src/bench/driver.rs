@@ -9,9 +9,11 @@ use futures_util::StreamExt;
 use pigeon_client::WsConn;
 use serde_json::{Value, json};
 use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicI64, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
@@ -64,6 +66,10 @@ pub struct Shared {
     pub counters: Counters,
     /// Messages sent at or after this time (µs, see `now_us`) count in the second phase.
     pub phase_split_us: AtomicU64,
+    /// Messages scheduled before this time (µs) count in no latency figure (the warm-up).
+    pub record_from_us: AtomicU64,
+    /// Every delivery's (scheduled send µs, latency µs) is kept for `--trace`.
+    pub trace: AtomicBool,
 }
 
 impl Shared {
@@ -71,7 +77,42 @@ impl Shared {
         Arc::new(Shared {
             counters: Counters::default(),
             phase_split_us: AtomicU64::new(u64::MAX),
+            record_from_us: AtomicU64::new(0),
+            trace: AtomicBool::new(false),
         })
+    }
+
+    /// True for a message scheduled inside the warm-up.
+    fn in_warmup(&self, sent_us: u64) -> bool {
+        sent_us < self.record_from_us.load(Relaxed)
+    }
+}
+
+/// How a send-for-a-while scenario takes its latency figures.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct LatencyArgs {
+    /// Seconds at the start of sending whose messages count in no latency figure. They
+    /// are still sent at the same pace, counted in the rates and checked for loss,
+    /// duplicates and order; a server's first moments (its first conversations, cold
+    /// caches, its allocator's first pages) are not its steady state
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup: f64,
+    /// Write every delivery's scheduled send time and send→delivered latency to this CSV
+    /// file (`sent_ms,latency_ms`, sent_ms counted from the start of sending, in send
+    /// order; warm-up included), to see when a run's tail happens
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+}
+
+impl LatencyArgs {
+    /// Refuses a warm-up that is not a number of seconds shorter than the sending.
+    pub fn check(&self, duration: f64) -> Res<()> {
+        if !(self.warmup >= 0.0 && self.warmup < duration) {
+            return Err(format!(
+                "--warmup must be at least 0 and shorter than --duration ({duration} s)"
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -190,6 +231,8 @@ pub struct ConnReport {
     pub delivery_lat: [Vec<u32>; 4],
     /// Per conversation: (seq, send→delivered µs) of bench messages from other senders.
     pub completion: HashMap<String, Vec<(u64, u32)>>,
+    /// With `--trace`: (scheduled send µs, send→delivered µs) of every delivery.
+    pub trace: Vec<(u64, u32)>,
 }
 
 struct Inflight {
@@ -202,6 +245,8 @@ struct Inflight {
 pub struct Measured {
     pub out: Outcome,
     pub shared: Arc<Shared>,
+    /// Sending that counted in no latency figure (`--warmup`).
+    pub warmup_secs: f64,
     /// How long the senders sent.
     pub send_secs: f64,
     /// Sending plus draining.
@@ -225,6 +270,7 @@ impl Measured {
         rep.set("window", window);
         rep.num("rate", rate);
         rep.num("duration_secs", Some(self.send_secs));
+        rep.num("warmup_secs", Some(self.warmup_secs));
         rep.num("elapsed_secs", Some(self.elapsed));
         rep.set("sent", self.sent);
         rep.set("acked", self.out.acked);
@@ -300,16 +346,21 @@ pub async fn measure(
     ws_base: &str,
     specs: Vec<Spec>,
     server_pid: Option<u32>,
-    duration_secs: f64,
-    drain_secs: u64,
+    (duration_secs, drain_secs): (f64, u64),
+    latency: &LatencyArgs,
 ) -> Res<Measured> {
     let conns = connect_all(ws_base, specs, 64).await?;
     let shared = Shared::new();
+    shared.trace.store(latency.trace.is_some(), Relaxed);
     let run = Run::start(conns, shared.clone());
     let server_cpu = server_pid.map(CpuMeter::start);
     let own_cpu = CpuMeter::start(std::process::id());
     let started = Instant::now();
     let progress = progress(shared.clone());
+    let start_us = now_us();
+    shared
+        .record_from_us
+        .store(start_us + (latency.warmup * 1e6) as u64, Relaxed);
     run.set(|c| c.send[0] = true);
     tokio::time::sleep(Duration::from_secs_f64(duration_secs)).await;
     let send_secs = started.elapsed().as_secs_f64();
@@ -326,9 +377,14 @@ pub async fn measure(
     if !drained {
         out.checks.error("drain timed out", 1);
     }
+    if let Some(path) = &latency.trace {
+        write_trace(path, &mut out.trace, start_us)
+            .map_err(|e| format!("cannot write the trace {}: {e}", path.display()))?;
+    }
     Ok(Measured {
         out,
         shared,
+        warmup_secs: latency.warmup,
         send_secs,
         elapsed,
         server_cpu,
@@ -832,6 +888,12 @@ impl Driver {
         }
         k.delivered.fetch_add(1, Relaxed);
         let lat = now.saturating_sub(sent_us).min(u64::from(u32::MAX)) as u32;
+        if self.sh.trace.load(Relaxed) {
+            self.r.trace.push((sent_us, lat));
+        }
+        if self.sh.in_warmup(sent_us) {
+            return;
+        }
         let b = self.bucket(conv.starts_with('g'), sent_us);
         self.r.delivery_lat[b].push(lat);
         if lat > SLOW_DELIVERY_US {
@@ -858,9 +920,11 @@ impl Driver {
             self.fail(format!("malformed send_ack: {text}"));
             return;
         };
-        let lat = now_us().saturating_sub(f.sent_us).min(u64::from(u32::MAX)) as u32;
-        let b = self.bucket(conv.starts_with('g'), f.sent_us);
-        self.r.ack_lat[b].push(lat);
+        if !self.sh.in_warmup(f.sent_us) {
+            let lat = now_us().saturating_sub(f.sent_us).min(u64::from(u32::MAX)) as u32;
+            let b = self.bucket(conv.starts_with('g'), f.sent_us);
+            self.r.ack_lat[b].push(lat);
+        }
         self.r.acked.entry(conv.to_owned()).or_default().push(seq);
         let k = &self.sh.counters;
         k.acked.fetch_add(1, Relaxed);
@@ -1010,6 +1074,8 @@ pub struct Outcome {
     /// Per acknowledged message reaching every other member: send→last member, µs.
     pub completion: Vec<u32>,
     pub acked: u64,
+    /// Every connection's `ConnReport::trace`, merged.
+    pub trace: Vec<(u64, u32)>,
 }
 
 /// Merges the reports and counts lost, duplicated and out-of-order pushes, and errors.
@@ -1089,8 +1155,21 @@ pub fn evaluate(reports: Vec<ConnReport>) -> Outcome {
             out.ack_lat[b].append(&mut r.ack_lat[b]);
             out.delivery_lat[b].append(&mut r.delivery_lat[b]);
         }
+        out.trace.append(&mut r.trace);
     }
     out
+}
+
+/// Writes `trace` as CSV in send order, times in ms from `start_us` (see [`LatencyArgs`]).
+fn write_trace(path: &Path, trace: &mut [(u64, u32)], start_us: u64) -> std::io::Result<()> {
+    trace.sort_unstable();
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(f, "sent_ms,latency_ms")?;
+    for (sent_us, lat) in trace.iter() {
+        let sent = *sent_us as i64 - start_us as i64;
+        writeln!(f, "{:.3},{:.3}", sent as f64 / 1e3, f64::from(*lat) / 1e3)?;
+    }
+    f.flush()
 }
 
 #[cfg(test)]

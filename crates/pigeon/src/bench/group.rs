@@ -17,6 +17,8 @@ use std::time::Duration;
 pub struct Args {
     #[command(flatten)]
     pub common: Common,
+    #[command(flatten)]
+    pub latency: driver::LatencyArgs,
     /// Members per group (the owner included); one connection each
     #[arg(long, default_value_t = 50)]
     pub members: usize,
@@ -90,6 +92,7 @@ pub async fn run(a: Args) -> Res<ExitCode> {
         ));
     }
     check_common(a.window, a.rate, a.duration)?;
+    a.latency.check(a.duration)?;
     let target = Target::open(&a.common).await?;
     let result = body(&a, &target).await;
     target.close().await;
@@ -148,8 +151,8 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
         &target.ws_base(),
         specs,
         target.pid,
-        a.duration,
-        a.common.drain_secs,
+        (a.duration, a.common.drain_secs),
+        &a.latency,
     )
     .await?;
     let mut rep = Report::new(
