@@ -6,7 +6,7 @@
 use crate::app::AppRef;
 use crate::auth::bearer;
 use crate::error::ApiError;
-use crate::hub::{KillReason, Outbox, Outgoing, PushChain};
+use crate::hub::{KillReason, Outbox, OutboxReader, Outgoing, PushChain};
 use crate::pipeline::{ReplyTo, Tier, now_ms};
 use crate::protobuf;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, Utf8Bytes, WebSocket, WebSocketUpgrade};
@@ -219,12 +219,12 @@ impl Codec {
 async fn feed_queued(
     conn: &mut Connection,
     sink: &mut futures_util::stream::SplitSink<WebSocket, WsMessage>,
-    out_rx: &mut tokio::sync::mpsc::Receiver<Outgoing>,
+    out_rx: &mut OutboxReader,
     codec: Codec,
     first: Option<Outgoing>,
     max: usize,
 ) -> bool {
-    let mut next = first.or_else(|| out_rx.try_recv().ok());
+    let mut next = first.or_else(|| out_rx.try_recv());
     let mut n = 0;
     while let Some(out) = next.take() {
         if let Some(frame) = conn.frame_to_write(out)
@@ -234,7 +234,7 @@ async fn feed_queued(
         }
         n += 1;
         if n < max {
-            next = out_rx.try_recv().ok();
+            next = out_rx.try_recv();
         }
     }
     true
@@ -304,7 +304,7 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
     };
     let timer = tokio::time::sleep(heartbeat / 2);
     tokio::pin!(timer);
-    let kill = conn.outbox.kill.clone();
+    let kill = conn.outbox.clone();
     let stop = loop {
         let wanted = next_wake(&conn);
         if wanted < timer.deadline() {
@@ -312,17 +312,17 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, socket: WebSocket) {
         }
         tokio::select! {
             biased;
-            _ = kill.notified() => {
+            _ = kill.killed() => {
                 // Write what is queued (a `kicked` frame) before closing.
                 feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
-                let reason = *conn.outbox.kill_reason.lock().expect("kill reason lock");
+                let reason = conn.outbox.kill_reason();
                 break match reason {
                     Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
                     _ => Stop::Close(1013, "too slow; reconnect and sync"),
                 };
             }
             _ = shutdown.changed() => break Stop::Close(1001, "server shutting down"),
-            Some(out) = out_rx.recv() => {
+            out = out_rx.recv() => {
                 let fed = feed_queued(&mut conn, &mut sink, &mut out_rx, codec, Some(out), COALESCE_MAX).await;
                 if !fed || sink.flush().await.is_err() {
                     break Stop::Gone;
