@@ -117,8 +117,10 @@ pub trait Store: Send + Sync + 'static {
     /// Reads what the engine is missing from the tables as they are, without waiting for
     /// commits that a store applies after acknowledging them (see [`Store::caught_up`]): the
     /// engine holds in memory the conversations, members, inbox heads and users such commits
-    /// touched; for messages and idempotency keys, or after losing its memory, the caller
-    /// waits with `caught_up` first.
+    /// touched; for messages, or after losing its memory, the caller waits with `caught_up`
+    /// first. Idempotency keys (`dedupe`) are answered against every acknowledged commit,
+    /// applied or not: a duplicate check is on the path of every send whose key the engine
+    /// cannot rule out, and must not wait for the tables.
     async fn load(&self, needs: Needs) -> Result<Loaded, StoreError>;
     /// Waits until the tables hold every commit acknowledged before the call. Every read
     /// query below does this by itself; [`Store::load`] does not. A store that applies a

@@ -879,9 +879,10 @@ async fn deliver_batch(
 /// Loads what `cmds` need that the engine does not hold. `Store::load` reads the tables as
 /// they are, which may still lack journaled batches; that is safe for conversations, their
 /// members and users' inbox heads, which the engine keeps from the batch that changes them
-/// until it evicts, and it evicts only once the tables hold every batch. Messages and
-/// idempotency keys leave the engine's memory once their batch is journaled, and a reset
-/// forgets everything (`stale`): those loads wait for the tables to catch up first.
+/// until it evicts, and it evicts only once the tables hold every batch, and for idempotency
+/// keys, which the store answers against every journaled batch (see `Store::load`).
+/// Messages leave the engine's memory once their batch is journaled, and a reset forgets
+/// everything (`stale`): those loads wait for the tables to catch up first.
 async fn load(
     store: &dyn Store,
     engine: &mut Engine,
@@ -894,7 +895,7 @@ async fn load(
         if needs.is_empty() {
             return Ok(());
         }
-        if *stale || !needs.messages.is_empty() || !needs.dedupe.is_empty() {
+        if *stale || !needs.messages.is_empty() {
             store.caught_up().await?;
             *stale = false;
         }

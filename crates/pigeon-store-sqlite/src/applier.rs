@@ -9,8 +9,10 @@ use crate::journal::{Journal, RecordBuf};
 use crate::write;
 use pigeon_core::changes::Changes;
 use pigeon_core::store::StoreError;
+use pigeon_proto::views::SendAck;
+use pigeon_proto::{ClientMsgId, ConversationId, MsgId, UserId};
 use rusqlite::Connection;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -85,7 +87,14 @@ pub struct StoreWrites {
     durable: AtomicU64,
     /// Journaled but unapplied payload bytes past which a commit waits for the applier.
     max_backlog_bytes: usize,
+    /// The idempotency keys of journaled batches the tables do not hold yet, with where
+    /// their messages went: a duplicate check answers from here and from the tables as they
+    /// are, instead of waiting for the applier's transaction (see [`StoreWrites::dedupe_pending`]).
+    pending_keys: Mutex<HashMap<(u64, String), PendingKey>>,
 }
+
+/// Where an idempotency key's message went: msg id, conversation, seq, created at.
+type PendingKey = (MsgId, String, u64, i64);
 
 impl StoreWrites {
     /// `applied` is the newest lsn the tables hold, durably: the caller synced them.
@@ -109,6 +118,7 @@ impl StoreWrites {
             applied: watch::channel(applied).0,
             keep_until_durable,
             durable: AtomicU64::new(applied),
+            pending_keys: Mutex::new(HashMap::new()),
             max_backlog_bytes,
         })
     }
@@ -173,6 +183,10 @@ impl StoreWrites {
             return Err(StoreError("the store is closed".into()));
         };
         let lsn = open.append_record(&mut record).map_err(err)?;
+        // Before the batch is queued, so the applier cannot forget its keys before they are
+        // here; before this returns, so the engine, which forgets them once it does, leaves
+        // no gap.
+        self.remember_keys(&changes);
         let mut backlog = self.backlog.lock().expect("backlog lock");
         backlog.queue.push_back((lsn, changes, size));
         backlog.oldest.get_or_insert_with(Instant::now);
@@ -182,6 +196,77 @@ impl StoreWrites {
         drop(journal);
         self.more.notify_one();
         Ok(())
+    }
+
+    fn remember_keys(&self, changes: &Changes) {
+        let mut keys = changes
+            .messages
+            .iter()
+            .filter_map(|m| {
+                let cmid = m.client_msg_id.as_ref()?;
+                let at = (m.msg_id, m.conversation_id.clone(), m.seq, m.created_at);
+                Some(((m.sender.get(), cmid.clone()), at))
+            })
+            .peekable();
+        if keys.peek().is_some() {
+            self.pending_keys
+                .lock()
+                .expect("pending keys lock")
+                .extend(keys);
+        }
+    }
+
+    fn forget_keys(&self, applied: &[(u64, Changes, usize)]) {
+        let mut pending = self.pending_keys.lock().expect("pending keys lock");
+        if pending.is_empty() {
+            return;
+        }
+        for m in applied.iter().flat_map(|(_, c, _)| &c.messages) {
+            if let Some(cmid) = &m.client_msg_id {
+                pending.remove(&(m.sender.get(), cmid.clone()));
+            }
+        }
+    }
+
+    /// Answers the idempotency keys of `dedupe` that journaled batches the tables lack hold,
+    /// and takes them out of it. What is left may be read from the tables as they are, in
+    /// a read begun after this call: a key missing here was never journaled, or its batch
+    /// was applied before.
+    pub fn dedupe_pending(
+        &self,
+        dedupe: &mut std::collections::HashSet<(UserId, ClientMsgId)>,
+    ) -> HashMap<(UserId, ClientMsgId), SendAck> {
+        let pending = self.pending_keys.lock().expect("pending keys lock");
+        let mut found = HashMap::new();
+        if pending.is_empty() {
+            return found;
+        }
+        dedupe.retain(|(sender, cmid)| {
+            let Some((msg_id, conv, seq, created_at)) =
+                pending.get(&(sender.get(), cmid.as_str().to_owned()))
+            else {
+                return true;
+            };
+            let Ok(conversation_id) = ConversationId::parse(conv) else {
+                return true;
+            };
+            let ack = SendAck {
+                client_msg_id: cmid.to_string(),
+                msg_id: *msg_id,
+                conversation_id,
+                seq: *seq,
+                created_at: *created_at,
+                duplicate: true,
+            };
+            found.insert((*sender, cmid.clone()), ack);
+            false
+        });
+        found
+    }
+
+    #[cfg(test)]
+    pub(crate) fn pending_key_count(&self) -> usize {
+        self.pending_keys.lock().expect("pending keys lock").len()
     }
 
     fn wait_for_room(&self, size: usize) -> Result<(), StoreError> {
@@ -303,6 +388,9 @@ impl StoreWrites {
             let size: usize = taken.iter().map(|t| t.2).sum();
             self.backlog.lock().expect("backlog lock").bytes -= size;
             self.room.notify_all();
+            // After the tables' commit: a look-up that misses a key here then reads tables
+            // that hold it.
+            self.forget_keys(&taken);
             self.applied.send_replace(last);
             self.report_unsynced();
             if !self.keep_until_durable {

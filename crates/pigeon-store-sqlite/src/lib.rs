@@ -414,12 +414,17 @@ impl SqliteStore {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn load(&self, needs: Needs) -> Result<Loaded, StoreError> {
+    async fn load(&self, mut needs: Needs) -> Result<Loaded, StoreError> {
         // From a read connection, so the next batch loads while the previous one commits,
         // and without the read barrier: waiting for the applier here would hold up every
-        // decision behind its current transaction (tens of ms under load). The pipeline
-        // calls `caught_up` first whenever the answer could miss a journaled batch.
-        self.read_tables(move |c| write::load(c, &needs)).await
+        // decision behind its current transaction (tens of ms under load). Idempotency keys
+        // of journaled batches the tables lack are answered from memory first (before the
+        // tables are read), so a duplicate check never waits; for what else could miss a
+        // journaled batch the pipeline calls `caught_up` first.
+        let pending = self.inner.writes.dedupe_pending(&mut needs.dedupe);
+        let mut loaded = self.read_tables(move |c| write::load(c, &needs)).await?;
+        loaded.dedupe.extend(pending);
+        Ok(loaded)
     }
 
     async fn caught_up(&self) -> Result<(), StoreError> {
@@ -1091,6 +1096,81 @@ mod tests {
         for i in 1..=3u64 {
             assert_eq!(user_name(&store, i).await, Some(format!("u{i}")));
         }
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A duplicate check answers for a batch that is journaled but not in the tables yet
+    /// without waiting for the applier (held off the tables here), and from the tables
+    /// once they hold it.
+    #[tokio::test]
+    #[allow(clippy::await_holding_lock)] // one thread; holding the writer is the point
+    async fn a_duplicate_check_sees_a_journaled_key_without_waiting_for_the_tables() {
+        use pigeon_core::store::Needs;
+        use pigeon_proto::{ClientMsgId, MessageKind, MessageStatus};
+        let dir = temp_dir("pending-keys");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        let u = UserId::new(7).unwrap();
+        let msg = MsgId::new(99).unwrap();
+        let changes = Changes {
+            messages: vec![Message {
+                msg_id: msg,
+                conversation_id: "g42".into(),
+                seq: 3,
+                sender: u,
+                client_msg_id: Some("k1".into()),
+                kind: MessageKind::Text,
+                content: "hi".into(),
+                extra: serde_json::Value::Null,
+                reply_to: None,
+                mentions: vec![],
+                status: MessageStatus::Normal,
+                version: 1,
+                created_at: 10,
+                edited_at: None,
+            }],
+            ..Changes::default()
+        };
+        let key = (u, ClientMsgId::parse("k1").unwrap());
+        let asking = |k: &(UserId, ClientMsgId)| Needs {
+            dedupe: [k.clone()].into(),
+            ..Needs::default()
+        };
+        async fn answered(store: &SqliteStore, needs: Needs) -> pigeon_core::store::Loaded {
+            tokio::time::timeout(std::time::Duration::from_secs(5), store.load(needs))
+                .await
+                .expect("answered without the applier")
+                .unwrap()
+        }
+        {
+            let _tables = store.inner.writes.writer.lock().unwrap();
+            store.commit(changes).await.unwrap();
+            let loaded = answered(&store, asking(&key)).await;
+            let ack = &loaded.dedupe[&key];
+            assert_eq!(
+                (ack.msg_id, ack.seq, ack.conversation_id.as_str()),
+                (msg, 3, "g42")
+            );
+            assert!(ack.duplicate);
+            assert_eq!(store.inner.writes.pending_key_count(), 1);
+            let never_sent = (u, ClientMsgId::parse("k2").unwrap());
+            assert!(
+                answered(&store, asking(&never_sent))
+                    .await
+                    .dedupe
+                    .is_empty()
+            );
+        }
+        store.caught_up().await.unwrap();
+        assert_eq!(
+            store.inner.writes.pending_key_count(),
+            0,
+            "forgotten once applied"
+        );
+        assert_eq!(
+            answered(&store, asking(&key)).await.dedupe[&key].msg_id,
+            msg
+        );
         drop(store);
         std::fs::remove_dir_all(dir).unwrap();
     }
