@@ -139,9 +139,13 @@ impl OutboxReader {
 
 impl Drop for OutboxReader {
     fn drop(&mut self) {
-        let mut state = self.0.state.lock().expect("outbox lock");
-        state.closed = true;
-        state.frames = VecDeque::new();
+        let frames = {
+            let mut state = self.0.state.lock().expect("outbox lock");
+            state.closed = true;
+            std::mem::take(&mut state.frames)
+        };
+        // Dropped outside the lock: up to OUTBOX_CAPACITY frames.
+        drop(frames);
     }
 }
 

@@ -95,6 +95,8 @@ pub struct StoreWrites {
 
 /// Where an idempotency key's message went: msg id, conversation, seq, created at.
 type PendingKey = (MsgId, String, u64, i64);
+/// Capacity the empty pending-keys table keeps (a steady load's transaction holds fewer).
+const PENDING_KEYS_KEEP_CAPACITY: usize = 1 << 16;
 
 impl StoreWrites {
     /// `applied` is the newest lsn the tables hold, durably: the caller synced them.
@@ -226,12 +228,16 @@ impl StoreWrites {
                 pending.remove(&(m.sender.get(), cmid.clone()));
             }
         }
+        // A backlog's worth of keys leaves a large table behind: give it back once empty.
+        if pending.is_empty() && pending.capacity() > PENDING_KEYS_KEEP_CAPACITY {
+            *pending = HashMap::new();
+        }
     }
 
     /// Answers the idempotency keys of `dedupe` that journaled batches the tables lack hold,
     /// and takes them out of it. What is left may be read from the tables as they are, in
     /// a read begun after this call: a key missing here was never journaled, or its batch
-    /// was applied before.
+    /// was applied before (or set aside, refused by the tables: see `apply_or_set_aside`).
     pub fn dedupe_pending(
         &self,
         dedupe: &mut std::collections::HashSet<(UserId, ClientMsgId)>,

@@ -169,6 +169,28 @@ fn a_warmup_as_long_as_the_run_is_refused() {
     assert!(stderr.contains("--warmup"), "{stderr}");
 }
 
+/// A trace that cannot be written is refused before the run, not after it.
+#[test]
+fn a_trace_that_cannot_be_written_is_refused_first() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+        .args([
+            "bench",
+            "direct",
+            "--spawn",
+            "--users",
+            "2",
+            "--duration",
+            "1",
+        ])
+        .args(["--trace", "/nonexistent-dir/trace.csv"])
+        .output()
+        .expect("pigeon bench runs");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot write the trace"), "{stderr}");
+    assert!(!stderr.contains("sent"), "no run: {stderr}");
+}
+
 #[test]
 fn group_write_and_read_fanout() {
     let v = bench(

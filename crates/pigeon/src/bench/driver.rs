@@ -10,9 +10,9 @@ use pigeon_client::WsConn;
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -84,7 +84,7 @@ impl Shared {
 
     /// True for a message scheduled inside the warm-up.
     fn in_warmup(&self, sent_us: u64) -> bool {
-        sent_us < self.record_from_us.load(Relaxed)
+        sent_us < self.record_from_us.load(Acquire)
     }
 }
 
@@ -97,9 +97,10 @@ pub struct LatencyArgs {
     /// caches, its allocator's first pages) are not its steady state
     #[arg(long, default_value_t = 0.0)]
     pub warmup: f64,
-    /// Write every delivery's scheduled send time and send→delivered latency to this CSV
-    /// file (`sent_ms,latency_ms`, sent_ms counted from the start of sending, in send
-    /// order; warm-up included), to see when a run's tail happens
+    /// Write every delivery's send time (the scheduled one with --rate) and send→delivered
+    /// latency to this CSV file (`sent_ms,latency_ms`, sent_ms counted from the start of
+    /// sending, in send order; warm-up included), to see when a run's tail happens. It
+    /// holds 16 bytes a delivery in memory until the end of the run
     #[arg(long)]
     pub trace: Option<PathBuf>,
 }
@@ -235,10 +236,17 @@ pub struct ConnReport {
     pub trace: Vec<(u64, u32)>,
 }
 
+/// A send awaiting its answer: what it takes to write it again (its `client_msg_id` and
+/// content are made from these, not kept: two strings fewer per send).
 struct Inflight {
-    cmid: String,
-    content: String,
+    /// This connection's count of sends when it was made (see [`client_msg_id`]).
+    n: u64,
     sent_us: u64,
+}
+
+/// The `client_msg_id` of `user`'s `n`th send.
+fn client_msg_id(user: u64, n: u64) -> String {
+    format!("b{user}-{n}")
 }
 
 /// What one send-for-a-while phase measured (the `direct` and `group` scenarios).
@@ -349,9 +357,17 @@ pub async fn measure(
     (duration_secs, drain_secs): (f64, u64),
     latency: &LatencyArgs,
 ) -> Res<Measured> {
+    // Made before the run, so that a path that cannot be written fails before it.
+    let trace_file = match &latency.trace {
+        Some(path) => Some(
+            std::fs::File::create(path)
+                .map_err(|e| format!("cannot write the trace {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
     let conns = connect_all(ws_base, specs, 64).await?;
     let shared = Shared::new();
-    shared.trace.store(latency.trace.is_some(), Relaxed);
+    shared.trace.store(trace_file.is_some(), Relaxed);
     let run = Run::start(conns, shared.clone());
     let server_cpu = server_pid.map(CpuMeter::start);
     let own_cpu = CpuMeter::start(std::process::id());
@@ -360,7 +376,7 @@ pub async fn measure(
     let start_us = now_us();
     shared
         .record_from_us
-        .store(start_us + (latency.warmup * 1e6) as u64, Relaxed);
+        .store(start_us + (latency.warmup * 1e6) as u64, Release);
     run.set(|c| c.send[0] = true);
     tokio::time::sleep(Duration::from_secs_f64(duration_secs)).await;
     let send_secs = started.elapsed().as_secs_f64();
@@ -377,9 +393,11 @@ pub async fn measure(
     if !drained {
         out.checks.error("drain timed out", 1);
     }
-    if let Some(path) = &latency.trace {
-        write_trace(path, &mut out.trace, start_us)
-            .map_err(|e| format!("cannot write the trace {}: {e}", path.display()))?;
+    if let (Some(file), Some(path)) = (trace_file, &latency.trace)
+        && let Err(e) = write_trace(file, &mut out.trace, start_us)
+    {
+        // The run's figures are still worth reporting.
+        super::note(format!("cannot write the trace {}: {e}", path.display()));
     }
     Ok(Measured {
         out,
@@ -719,7 +737,8 @@ impl Driver {
         });
         for req in due {
             if let Some(f) = self.inflight.get(&req) {
-                ws.send_text(send_frame(req, &f.cmid, &plan.to, &f.content))
+                let (cmid, text) = (client_msg_id(self.user, f.n), content(f.sent_us, plan.size));
+                ws.send_text(send_frame(req, &cmid, &plan.to, &text))
                     .await
                     .map_err(|e| e.to_string())?;
                 self.last_write = now;
@@ -759,20 +778,14 @@ impl Driver {
             let req = self.next_req;
             self.next_req += 1;
             self.started_sends += 1;
-            let cmid = format!("b{}-{}", self.user, self.started_sends);
+            let n = self.started_sends;
+            let cmid = client_msg_id(self.user, n);
             let text = content(sent_us, plan.size);
             ws.send_text(send_frame(req, &cmid, &plan.to, &text))
                 .await
                 .map_err(|e| e.to_string())?;
             self.last_write = now;
-            self.inflight.insert(
-                req,
-                Inflight {
-                    cmid,
-                    content: text,
-                    sent_us,
-                },
-            );
+            self.inflight.insert(req, Inflight { n, sent_us });
             let k = &self.sh.counters;
             k.sent.fetch_add(1, Relaxed);
             k.inflight.fetch_add(1, Relaxed);
@@ -855,7 +868,11 @@ impl Driver {
         };
         let (conv, seq) = (m.conversation_id.as_ref(), m.seq);
         let now = now_us();
-        let track = self.r.convs.entry(conv.to_owned()).or_default();
+        // Looked up first: an entry() would allocate the key for every push.
+        if !self.r.convs.contains_key(conv) {
+            self.r.convs.insert(conv.to_owned(), ConvTrack::default());
+        }
+        let track = self.r.convs.get_mut(conv).expect("inserted above");
         let (new, ooo) = track.record(seq);
         match frame.user_seq {
             // Through the inbox: acknowledged cumulatively up to where the inbox is complete.
@@ -925,7 +942,12 @@ impl Driver {
             let b = self.bucket(conv.starts_with('g'), f.sent_us);
             self.r.ack_lat[b].push(lat);
         }
-        self.r.acked.entry(conv.to_owned()).or_default().push(seq);
+        match self.r.acked.get_mut(conv) {
+            Some(seqs) => seqs.push(seq),
+            None => {
+                self.r.acked.insert(conv.to_owned(), vec![seq]);
+            }
+        }
         let k = &self.sh.counters;
         k.acked.fetch_add(1, Relaxed);
         k.inflight.fetch_sub(1, Relaxed);
@@ -1161,9 +1183,13 @@ pub fn evaluate(reports: Vec<ConnReport>) -> Outcome {
 }
 
 /// Writes `trace` as CSV in send order, times in ms from `start_us` (see [`LatencyArgs`]).
-fn write_trace(path: &Path, trace: &mut [(u64, u32)], start_us: u64) -> std::io::Result<()> {
+fn write_trace(
+    file: std::fs::File,
+    trace: &mut [(u64, u32)],
+    start_us: u64,
+) -> std::io::Result<()> {
     trace.sort_unstable();
-    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut f = std::io::BufWriter::new(file);
     writeln!(f, "sent_ms,latency_ms")?;
     for (sent_us, lat) in trace.iter() {
         let sent = *sent_us as i64 - start_us as i64;
