@@ -1044,6 +1044,184 @@ mod tests {
         (store, pipeline, dir)
     }
 
+    /// A store whose tables never catch up with what it acknowledged: `caught_up` never
+    /// returns; everything else is the real store's.
+    struct TablesNeverCatchUp(Arc<dyn Store>);
+
+    #[async_trait::async_trait]
+    impl Store for TablesNeverCatchUp {
+        async fn load(
+            &self,
+            needs: pigeon_core::store::Needs,
+        ) -> Result<pigeon_core::store::Loaded, pigeon_core::StoreError> {
+            self.0.load(needs).await
+        }
+        async fn caught_up(&self) -> Result<(), pigeon_core::StoreError> {
+            std::future::pending().await
+        }
+        async fn commit(&self, changes: Changes) -> Result<(), pigeon_core::StoreError> {
+            self.0.commit(changes).await
+        }
+        async fn close(&self) {
+            self.0.close().await
+        }
+        async fn max_msg_id(&self) -> Result<u64, pigeon_core::StoreError> {
+            self.0.max_msg_id().await
+        }
+        async fn idempotency_key_count(&self) -> Result<u64, pigeon_core::StoreError> {
+            self.0.idempotency_key_count().await
+        }
+        async fn idempotency_keys(
+            &self,
+            after: Option<pigeon_core::store::KeyCursor>,
+            limit: usize,
+        ) -> Result<pigeon_core::store::KeyPage, pigeon_core::StoreError> {
+            self.0.idempotency_keys(after, limit).await
+        }
+        async fn meta_get(&self, key: &str) -> Result<Option<String>, pigeon_core::StoreError> {
+            self.0.meta_get(key).await
+        }
+        async fn meta_set(&self, key: &str, value: &str) -> Result<(), pigeon_core::StoreError> {
+            self.0.meta_set(key, value).await
+        }
+        async fn user(
+            &self,
+            user: UserId,
+        ) -> Result<Option<pigeon_core::store::UserRecord>, pigeon_core::StoreError> {
+            self.0.user(user).await
+        }
+        async fn membership(
+            &self,
+            conv: &ConversationId,
+            user: UserId,
+        ) -> Result<Option<pigeon_core::store::Membership>, pigeon_core::StoreError> {
+            self.0.membership(conv, user).await
+        }
+        async fn history(
+            &self,
+            conv: &ConversationId,
+            reader: UserId,
+            range: (u64, u64),
+            query: pigeon_core::store::HistoryQuery,
+        ) -> Result<(Vec<pigeon_proto::Message>, bool), pigeon_core::StoreError> {
+            self.0.history(conv, reader, range, query).await
+        }
+        async fn conversations(
+            &self,
+            user: UserId,
+            only: Option<&ConversationId>,
+            after: Option<pigeon_core::store::ListCursor>,
+            limit: u32,
+            include_hidden: bool,
+        ) -> Result<Vec<pigeon_proto::views::ConversationView>, pigeon_core::StoreError> {
+            self.0
+                .conversations(user, only, after, limit, include_hidden)
+                .await
+        }
+        async fn members(
+            &self,
+            conv: &ConversationId,
+            after: Option<UserId>,
+            limit: u32,
+        ) -> Result<Vec<pigeon_proto::views::MemberView>, pigeon_core::StoreError> {
+            self.0.members(conv, after, limit).await
+        }
+        async fn message(
+            &self,
+            msg_id: pigeon_proto::MsgId,
+        ) -> Result<Option<pigeon_core::store::AuditedMessage>, pigeon_core::StoreError> {
+            self.0.message(msg_id).await
+        }
+        async fn versions(
+            &self,
+            msg_id: pigeon_proto::MsgId,
+        ) -> Result<Vec<pigeon_proto::views::VersionView>, pigeon_core::StoreError> {
+            self.0.versions(msg_id).await
+        }
+        async fn is_hidden_for(
+            &self,
+            user: UserId,
+            msg_id: pigeon_proto::MsgId,
+        ) -> Result<bool, pigeon_core::StoreError> {
+            self.0.is_hidden_for(user, msg_id).await
+        }
+        async fn inbox_head(&self, user: UserId) -> Result<u64, pigeon_core::StoreError> {
+            self.0.inbox_head(user).await
+        }
+        async fn pull_inbox(
+            &self,
+            user: UserId,
+            from: u64,
+            to: u64,
+            limit: u32,
+        ) -> Result<(Vec<pigeon_proto::views::ChainItem>, bool), pigeon_core::StoreError> {
+            self.0.pull_inbox(user, from, to, limit).await
+        }
+        async fn cursor(
+            &self,
+            user: UserId,
+            device: &str,
+            chain: &str,
+        ) -> Result<u64, pigeon_core::StoreError> {
+            self.0.cursor(user, device, chain).await
+        }
+        async fn read_fanout_changes(
+            &self,
+            user: UserId,
+            device: &str,
+            given: &HashMap<String, u64>,
+        ) -> Result<Vec<pigeon_proto::frames::SyncConversation>, pigeon_core::StoreError> {
+            self.0.read_fanout_changes(user, device, given).await
+        }
+        async fn unread(
+            &self,
+            user: UserId,
+        ) -> Result<Vec<(ConversationId, u64, bool)>, pigeon_core::StoreError> {
+            self.0.unread(user).await
+        }
+        async fn receipts(
+            &self,
+            conv: &ConversationId,
+            seq: u64,
+        ) -> Result<(Vec<UserId>, Vec<UserId>), pigeon_core::StoreError> {
+            self.0.receipts(conv, seq).await
+        }
+    }
+
+    /// A resend of an acknowledged message whose key the engine no longer holds is found a
+    /// duplicate by the store without waiting for its tables (here they never catch up):
+    /// before, every such look-up waited for the applier, and held the decider with it.
+    #[tokio::test]
+    async fn a_resend_is_found_a_duplicate_without_waiting_for_the_tables() {
+        // Users registered by a first pipeline, which then goes; the tables hold them
+        // before the second starts, as they do at a start.
+        let (store, registering, dir) = pipeline_over_store("no-catch-up", 1000).await;
+        drop(registering);
+        store.caught_up().await.unwrap();
+        let store: Arc<dyn Store> = Arc::new(TablesNeverCatchUp(store));
+        let (pipeline, _task) = Pipeline::start_with_gate(
+            store,
+            Engine::new(Default::default(), 0),
+            Arc::new(Hub::default()),
+            None,
+        );
+        let within = |f| tokio::time::timeout(Duration::from_secs(10), f);
+        let first = within(send(&pipeline, 1, 2, "k-1"))
+            .await
+            .expect("answered");
+        // A later batch goes only once the first one's outcome is in: by then the engine
+        // has let go of the first key.
+        within(send(&pipeline, 3, 4, "k-2"))
+            .await
+            .expect("answered");
+        let again = within(send(&pipeline, 1, 2, "k-1"))
+            .await
+            .expect("a duplicate check does not wait for the tables");
+        assert!(again.duplicate, "{again:?}");
+        assert_eq!((again.msg_id, again.seq), (first.msg_id, first.seq));
+        drop(dir);
+    }
+
     /// A test's data directory, removed when the test ends, passed or not.
     struct TempDir(std::path::PathBuf);
 
