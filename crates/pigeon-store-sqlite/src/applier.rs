@@ -10,7 +10,7 @@ use crate::write;
 use pigeon_core::changes::Changes;
 use pigeon_core::store::StoreError;
 use pigeon_proto::views::SendAck;
-use pigeon_proto::{ClientMsgId, ConversationId, MsgId, UserId};
+use pigeon_proto::{ClientMsgId, MsgId, UserId};
 use rusqlite::Connection;
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -248,24 +248,18 @@ impl StoreWrites {
             return found;
         }
         dedupe.retain(|(sender, cmid)| {
-            let Some((msg_id, conv, seq, created_at)) =
-                pending.get(&(sender.get(), cmid.as_str().to_owned()))
-            else {
-                return true;
-            };
-            let Ok(conversation_id) = ConversationId::parse(conv) else {
-                return true;
-            };
-            let ack = SendAck {
-                client_msg_id: cmid.to_string(),
-                msg_id: *msg_id,
-                conversation_id,
-                seq: *seq,
-                created_at: *created_at,
-                duplicate: true,
-            };
-            found.insert((*sender, cmid.clone()), ack);
-            false
+            let ack = pending
+                .get(&(sender.get(), cmid.as_str().to_owned()))
+                .and_then(|(msg_id, conv, seq, at)| {
+                    crate::rows::duplicate_ack(cmid, *msg_id, conv, *seq, *at)
+                });
+            match ack {
+                Some(ack) => {
+                    found.insert((*sender, cmid.clone()), ack);
+                    false
+                }
+                None => true,
+            }
         });
         found
     }

@@ -1,7 +1,9 @@
 //! Row ↔ domain value conversions shared by the read and write paths.
 
-use pigeon_proto::views::Role;
-use pigeon_proto::{Message, MessageKind, MessageStatus, MsgId, UserId};
+use pigeon_proto::views::{Role, SendAck};
+use pigeon_proto::{
+    ClientMsgId, ConversationId, Message, MessageKind, MessageStatus, MsgId, UserId,
+};
 use rusqlite::Row;
 use rusqlite::types::Type;
 
@@ -21,6 +23,25 @@ pub fn user_id(row: &Row, col: usize) -> rusqlite::Result<UserId> {
 
 pub fn msg_id(row: &Row, col: usize) -> rusqlite::Result<MsgId> {
     MsgId::new(row.get::<_, i64>(col)? as u64).map_err(|_| bad(col, "bad msg id"))
+}
+
+/// What a resend of `cmid` is answered: where its first message went. `None` when the
+/// stored conversation id does not parse (nothing to report it as a duplicate of).
+pub fn duplicate_ack(
+    cmid: &ClientMsgId,
+    msg_id: MsgId,
+    conversation: &str,
+    seq: u64,
+    created_at: i64,
+) -> Option<SendAck> {
+    Some(SendAck {
+        client_msg_id: cmid.to_string(),
+        msg_id,
+        conversation_id: ConversationId::parse(conversation).ok()?,
+        seq,
+        created_at,
+        duplicate: true,
+    })
 }
 
 pub fn role(row: &Row, col: usize) -> rusqlite::Result<Role> {

@@ -4,7 +4,7 @@ use crate::rows;
 use pigeon_core::changes::{Changes, ConversationRow, MemberRow};
 use pigeon_core::state::{ConversationState, MemberState};
 use pigeon_core::store::{Loaded, Needs};
-use pigeon_proto::views::{Fanout, SendAck};
+use pigeon_proto::views::Fanout;
 use pigeon_proto::{ConversationId, UserId};
 use rusqlite::{Connection, OptionalExtension, params};
 use std::collections::HashMap;
@@ -114,21 +114,10 @@ pub fn load(c: &Connection, needs: &Needs) -> rusqlite::Result<Loaded> {
                 ))
             })
             .optional()?;
-        if let Some((msg_id, conv, seq, created_at)) = hit {
-            let Ok(conversation_id) = ConversationId::parse(&conv) else {
-                continue;
-            };
-            out.dedupe.insert(
-                (*sender, cmid.clone()),
-                SendAck {
-                    client_msg_id: cmid.to_string(),
-                    msg_id,
-                    conversation_id,
-                    seq,
-                    created_at,
-                    duplicate: true,
-                },
-            );
+        if let Some(ack) = hit.and_then(|(msg_id, conv, seq, created_at)| {
+            rows::duplicate_ack(cmid, msg_id, &conv, seq, created_at)
+        }) {
+            out.dedupe.insert((*sender, cmid.clone()), ack);
         }
     }
     Ok(out)
