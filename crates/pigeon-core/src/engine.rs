@@ -127,6 +127,12 @@ impl Engine {
         self.known_keys.insert(sender, client_msg_id);
     }
 
+    /// The time of the newest id handed out, or of the store's newest message at start:
+    /// decisions made from now on must be stamped later (see the pipeline's decision clock).
+    pub fn newest_id_ms(&self) -> i64 {
+        self.ids.last_ms()
+    }
+
     /// How many keys [`Engine::remember_key`] and new sends have added.
     pub fn known_key_count(&self) -> u64 {
         self.known_keys.len()

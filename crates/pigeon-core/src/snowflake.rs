@@ -23,6 +23,15 @@ impl Snowflake {
         }
     }
 
+    /// The wall-clock millisecond of the largest id handed out or read at start (0 if none):
+    /// what was decided before is no later than this.
+    pub fn last_ms(&self) -> i64 {
+        if self.last == 0 {
+            return 0;
+        }
+        (self.last >> (NODE_BITS + SEQ_BITS)) as i64 + EPOCH_MS
+    }
+
     pub fn next(&mut self, now_ms: i64) -> u64 {
         let ms = (now_ms - EPOCH_MS).max(0) as u64;
         let candidate = (ms << (NODE_BITS + SEQ_BITS)) | (self.node << SEQ_BITS);
@@ -50,6 +59,18 @@ mod tests {
         assert!(a < b && b < c);
         let mut restarted = Snowflake::new(1, c);
         assert!(restarted.next(EPOCH_MS) > c);
+    }
+
+    #[test]
+    fn the_last_ids_millisecond_is_the_clocks() {
+        assert_eq!(Snowflake::new(3, 0).last_ms(), 0);
+        let mut s = Snowflake::new(3, 0);
+        s.next(EPOCH_MS + 5_000);
+        assert_eq!(s.last_ms(), EPOCH_MS + 5_000);
+        assert_eq!(
+            Snowflake::new(3, s.next(EPOCH_MS)).last_ms(),
+            EPOCH_MS + 5_000
+        );
     }
 
     #[test]

@@ -557,7 +557,7 @@ async fn decide(
     let mut in_flight = 0usize;
     let mut closed = false;
     let mut arrived = Vec::new();
-    let mut clock = DecisionClock::default();
+    let mut clock = DecisionClock::after(engine.newest_id_ms());
     // Set when the engine forgot what it knew (a failed commit, a failed eviction): its next
     // load first waits until the tables hold every acknowledged batch (see `load`).
     let mut stale = false;
@@ -968,13 +968,20 @@ async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
 /// The time each decision step stamps on what it decides (`created_at`, a conversation's
 /// `updated_at`): the wall clock, but always later than the previous step's, so that what is
 /// decided later is never older (the conversation list orders by `updated_at`, and two
-/// sends a millisecond apart must not tie or swap). Commands decided together share it.
+/// sends a millisecond apart must not tie or swap; a time-bounded history page finds its
+/// seqs by a binary search on `created_at`). Commands decided together share it.
 #[derive(Default)]
 struct DecisionClock {
     last: i64,
 }
 
 impl DecisionClock {
+    /// A clock whose first step is later than `newest` (the store's newest message, so that
+    /// a wall clock set back across a restart does not step back too).
+    fn after(newest: i64) -> Self {
+        DecisionClock { last: newest }
+    }
+
     fn next(&mut self) -> i64 {
         self.last = now_ms().max(self.last + 1);
         self.last
@@ -1517,6 +1524,19 @@ mod tests {
         // A thousand steps take well under a millisecond each: without the clock they tie.
         assert!(stamps.windows(2).all(|w| w[1] > w[0]));
         assert!(stamps[0] >= now_ms() - 10_000);
+    }
+
+    #[test]
+    fn a_clock_set_back_across_a_restart_does_not_step_back() {
+        // The store's newest message was stamped an hour ahead of this wall clock.
+        let newest = now_ms() + 3_600_000;
+        let engine = Engine::new(
+            Default::default(),
+            pigeon_core::snowflake::Snowflake::new(0, 0).next(newest),
+        );
+        let mut clock = DecisionClock::after(engine.newest_id_ms());
+        assert_eq!(clock.next(), newest + 1);
+        assert_eq!(clock.next(), newest + 2);
     }
 
     #[test]

@@ -88,6 +88,12 @@ pub fn history(
     if lo > hi || q.limit == 0 {
         return Ok((Vec::new(), false));
     }
+    let Some((lo, hi)) = seqs_created_within(c, conv, (lo, hi), q.from_time, q.to_time)? else {
+        return Ok((Vec::new(), false));
+    };
+    // The time bounds stay in the query too: a store written before the decision clock was
+    // seeded at start may hold a step back across a restart, and a row inside the narrowed
+    // seqs but outside the times is then still left out.
     let sql = format!(
         "SELECT {MESSAGE_COLUMNS}, h.msg_id FROM messages m \
          LEFT JOIN hidden_messages h ON h.user_id = ?4 AND h.msg_id = m.msg_id \
@@ -115,6 +121,55 @@ pub fn history(
         out.reverse();
     }
     Ok((out, has_more))
+}
+
+/// The part of the seqs `lo..=hi` of `conv` whose messages were created within
+/// `from..=to` (either open), or `None` if none was. `created_at` never decreases along a
+/// conversation's seqs (the pipeline's decision clock is monotonic and starts past the
+/// newest message id), so each bound is a binary search over the `(conversation_id, seq)`
+/// index: about log2(hi - lo) point reads, instead of an index by time that every send
+/// would write (schema migration 3).
+pub fn seqs_created_within(
+    c: &Connection,
+    conv: &ConversationId,
+    (lo, hi): (u64, u64),
+    from: Option<i64>,
+    to: Option<i64>,
+) -> rusqlite::Result<Option<(u64, u64)>> {
+    let mut st = c.prepare_cached(
+        "SELECT created_at FROM messages WHERE conversation_id = ?1 AND seq >= ?2 AND seq <= ?3 \
+         ORDER BY seq LIMIT 1",
+    )?;
+    // The creation time of the first message at or after `seq` (a seq may have no row), or
+    // "never" past the last.
+    let mut created_from = |seq: u64| -> rusqlite::Result<i64> {
+        Ok(st
+            .query_row(params![conv.as_str(), seq as i64, hi as i64], |r| r.get(0))
+            .optional()?
+            .unwrap_or(i64::MAX))
+    };
+    // The first seq in lo..=hi + 1 from which messages were created at `t` or later.
+    let mut first_at_or_after = |t: i64| -> rusqlite::Result<u64> {
+        let (mut a, mut b) = (lo, hi.saturating_add(1));
+        while a < b {
+            let mid = a + (b - a) / 2;
+            if created_from(mid)? >= t {
+                b = mid;
+            } else {
+                a = mid + 1;
+            }
+        }
+        Ok(a)
+    };
+    let lo = match from {
+        Some(t) => first_at_or_after(t)?,
+        None => lo,
+    };
+    let hi = match to {
+        Some(i64::MAX) | None => hi,
+        Some(t) => first_at_or_after(t + 1)?.saturating_sub(1).min(hi),
+    };
+    Ok((lo <= hi).then_some((lo, hi)))
 }
 
 fn message_for(c: &Connection, reader: UserId, msg_id: i64) -> rusqlite::Result<Option<Message>> {
@@ -538,6 +593,122 @@ mod tests {
             "prepared again"
         );
         assert_eq!(st.get_status(rusqlite::StatementStatus::Run), 5);
+    }
+
+    /// A time-bounded page, found by binary searches over seqs (no index by time), holds
+    /// what filtering every row would: with ties within a millisecond, seqs without a row,
+    /// another conversation's rows between, every anchor and bound in or outside the range.
+    #[test]
+    fn time_bounded_pages_hold_what_a_scan_of_every_row_would() {
+        let mut c = Connection::open_in_memory().unwrap();
+        crate::schema::migrate(&mut c).unwrap();
+        let created = |seq: u64| 1000 + (seq / 3) as i64;
+        let holes = [7, 30, 31, 59];
+        for seq in (1..=60u64).filter(|s| !holes.contains(s)) {
+            for (conv, at) in [("1-2", created(seq)), ("3-4", 5000 - seq as i64)] {
+                c.execute(
+                    "INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, status, version, created_at) \
+                     VALUES (?1, ?2, ?3, 1, 'text', '', 'normal', 1, ?4)",
+                    params![(seq * 2) as i64 + i64::from(conv == "3-4"), conv, seq as i64, at],
+                )
+                .unwrap();
+            }
+        }
+        let conv = ConversationId::parse("1-2").unwrap();
+        let reader = UserId::new(1).unwrap();
+        let times = [
+            None,
+            Some(990),
+            Some(1000),
+            Some(1005),
+            Some(1010),
+            Some(1019),
+            Some(1020),
+            Some(1021),
+            Some(5000),
+        ];
+        let mut checked = 0;
+        for (lo, hi) in [(1, 60), (5, 40), (31, 31), (61, 90)] {
+            for from in times {
+                for to in times {
+                    for anchor in [
+                        HistoryAnchor::Newest,
+                        HistoryAnchor::Before(25),
+                        HistoryAnchor::After(10),
+                    ] {
+                        for limit in [3, 100] {
+                            let q = HistoryQuery {
+                                anchor,
+                                limit,
+                                from_time: from,
+                                to_time: to,
+                            };
+                            let (got, more) = history(&c, &conv, reader, (lo, hi), q).unwrap();
+                            let got: Vec<u64> = got.iter().map(|m| m.seq).collect();
+                            let mut want: Vec<u64> = (lo..=hi)
+                                .filter(|s| *s <= 60 && !holes.contains(s))
+                                .filter(|s| match anchor {
+                                    HistoryAnchor::Newest => true,
+                                    HistoryAnchor::Before(b) => *s < b,
+                                    HistoryAnchor::After(a) => *s > a,
+                                })
+                                .filter(|s| from.is_none_or(|f| created(*s) >= f))
+                                .filter(|s| to.is_none_or(|t| created(*s) <= t))
+                                .collect();
+                            let want_more = want.len() > limit as usize;
+                            if matches!(anchor, HistoryAnchor::After(_)) {
+                                want.truncate(limit as usize);
+                            } else {
+                                want.drain(..want.len().saturating_sub(limit as usize));
+                            }
+                            let case =
+                                format!("{lo}..={hi} {from:?}..{to:?} {anchor:?} limit {limit}");
+                            assert_eq!(got, want, "{case}");
+                            assert_eq!(more, want_more, "{case}");
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 4 * 9 * 9 * 3 * 2);
+        assert_eq!(
+            seqs_created_within(&c, &conv, (1, 60), Some(1005), Some(1010)).unwrap(),
+            Some((15, 32))
+        );
+        assert_eq!(
+            seqs_created_within(&c, &conv, (1, 60), Some(1021), None).unwrap(),
+            None
+        );
+    }
+
+    /// Each bound costs about log2(range) point reads, not a read of every row.
+    #[test]
+    fn a_time_bound_reads_log_many_rows() {
+        let mut c = Connection::open_in_memory().unwrap();
+        crate::schema::migrate(&mut c).unwrap();
+        for seq in 1..=4096i64 {
+            c.execute(
+                "INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, status, version, created_at) \
+                 VALUES (?1, '1-2', ?1, 1, 'text', '', 'normal', 1, ?1)",
+                [seq],
+            )
+            .unwrap();
+        }
+        let conv = ConversationId::parse("1-2").unwrap();
+        assert_eq!(
+            seqs_created_within(&c, &conv, (1, 4096), Some(1000), Some(3000)).unwrap(),
+            Some((1000, 3000))
+        );
+        let st = c
+            .prepare_cached(
+                "SELECT created_at FROM messages WHERE conversation_id = ?1 AND seq >= ?2 AND seq <= ?3 \
+                 ORDER BY seq LIMIT 1",
+            )
+            .unwrap();
+        let reads = st.get_status(rusqlite::StatementStatus::Run);
+        assert!(reads <= 2 * 13, "{reads} reads");
+        assert!(reads >= 2 * 12, "{reads} reads: the search did not run");
     }
 
     #[test]
