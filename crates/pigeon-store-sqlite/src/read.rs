@@ -709,6 +709,24 @@ mod tests {
         let reads = st.get_status(rusqlite::StatementStatus::Run);
         assert!(reads <= 2 * 13, "{reads} reads");
         assert!(reads >= 2 * 12, "{reads} reads: the search did not run");
+        drop(st);
+        // Each read is a seek in the index of seqs, not a scan.
+        let plan: Vec<String> = c
+            .prepare(
+                "EXPLAIN QUERY PLAN SELECT created_at FROM messages WHERE conversation_id = ?1 AND seq >= ?2 \
+                 AND seq <= ?3 ORDER BY seq LIMIT 1",
+            )
+            .unwrap()
+            .query_map(params!["1-2", 1, 4096], |r| r.get::<_, String>(3))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            plan,
+            vec![
+                "SEARCH messages USING INDEX messages_by_seq (conversation_id=? AND seq>? AND seq<?)"
+            ]
+        );
     }
 
     #[test]
