@@ -191,6 +191,72 @@ fn a_trace_that_cannot_be_written_is_refused_first() {
     assert!(!stderr.contains("sent"), "no run: {stderr}");
 }
 
+/// `disk` times appends and syncs of a file in `--dir`, reports them, and leaves nothing
+/// behind; a bad size or directory is refused before anything is written.
+#[test]
+fn disk() {
+    let dir = std::env::temp_dir().join(format!("pigeon-bench-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.with_extension("json");
+    let out = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+        .args(["bench", "disk", "--duration", "0.5", "--bytes", "4096"])
+        .args(["--interval-ms", "1", "--dir"])
+        .arg(&dir)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("pigeon bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("sync_latency_ms"),
+        "no result table:\n{stdout}"
+    );
+    let v = read_json(&json);
+    assert_clean(
+        &v,
+        "disk",
+        &["syncs_over_50ms", "syncs_over_100ms", "written_mb_per_sec"],
+    );
+    latency_keys(&v, "sync_latency_ms");
+    let syncs = v["syncs"].as_u64().unwrap();
+    assert!(syncs > 0, "{v:#}");
+    assert_eq!(v["sync_latency_ms"]["count"], syncs, "{v:#}");
+    assert!(v["sync_latency_ms"]["p50"].as_f64() <= v["sync_latency_ms"]["max"].as_f64());
+    assert_eq!(v["bytes"], 4096);
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "the probe's file is left behind"
+    );
+    let d = dir.to_str().unwrap();
+    for (args, says) in [
+        (["--bytes", "0", "--dir", d], "--bytes"),
+        (
+            ["--bytes", "64", "--dir", "/nonexistent-dir"],
+            "not a directory",
+        ),
+        (["--interval-ms", "5000", "--dir", d], "--interval-ms"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+            .args(["bench", "disk", "--duration", "0.2"])
+            .args(args)
+            .output()
+            .expect("pigeon bench runs");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&json);
+}
+
 #[test]
 fn group_write_and_read_fanout() {
     let v = bench(

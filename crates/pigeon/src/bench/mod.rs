@@ -10,10 +10,13 @@
 //! any error (a dropped connection, a refused send), makes the run fail with exit code 1.
 //!
 //! Scenarios only ever talk to 127.0.0.0/8 and stop by themselves (durations and counts).
+//! `disk` is the exception to all of this: it drives no server, only times the syncs of a
+//! file, so that a run's tail can be set against what the disk alone does.
 
 mod catchup;
 mod connections;
 mod direct;
+mod disk;
 mod driver;
 mod group;
 mod isolation;
@@ -55,6 +58,8 @@ pub enum Scenario {
     Catchup(catchup::Args),
     /// Single chats' latency with and without a flood into a large group (two phases).
     Isolation(isolation::Args),
+    /// The disk's own sync latency, no server: a file appended to and synced as the journal is.
+    Disk(disk::Args),
 }
 
 /// Options every scenario takes.
@@ -95,6 +100,7 @@ pub async fn run(args: BenchArgs) -> ExitCode {
         Scenario::Group(a) => group::run(a).await,
         Scenario::Catchup(a) => catchup::run(a).await,
         Scenario::Isolation(a) => isolation::run(a).await,
+        Scenario::Disk(a) => disk::run(a).await,
     };
     match result {
         Ok(code) => code,
