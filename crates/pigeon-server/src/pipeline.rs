@@ -977,10 +977,27 @@ struct DecisionClock {
 
 impl DecisionClock {
     /// A clock whose first step is later than `newest` (the store's newest message, so that
-    /// a wall clock set back across a restart does not step back too).
+    /// a wall clock set back across a restart does not step back too), unless `newest` is
+    /// more than [`DecisionClock::MAX_AHEAD_MS`] ahead of the wall clock: stamps would then
+    /// stay that far in the future until the wall clock caught up, and a clock that was
+    /// that wrong is better left behind (with a warning; a time-bounded page's filter still
+    /// holds, only its binary search may miss a message at a bound).
     fn after(newest: i64) -> Self {
+        let ahead = newest - now_ms();
+        if ahead > Self::MAX_AHEAD_MS {
+            tracing::warn!(
+                ahead_secs = ahead / 1000,
+                "the newest stored message is stamped ahead of this machine's clock; \
+                 new messages are stamped by the clock, earlier than it"
+            );
+            return DecisionClock::default();
+        }
         DecisionClock { last: newest }
     }
+
+    /// How far ahead of the wall clock the newest stored message may be for the clock to
+    /// start past it: a few minutes of drift corrected at a restart, not a wrong year.
+    const MAX_AHEAD_MS: i64 = 3_600_000;
 
     fn next(&mut self) -> i64 {
         self.last = now_ms().max(self.last + 1);
@@ -1528,8 +1545,8 @@ mod tests {
 
     #[test]
     fn a_clock_set_back_across_a_restart_does_not_step_back() {
-        // The store's newest message was stamped an hour ahead of this wall clock.
-        let newest = now_ms() + 3_600_000;
+        // The store's newest message was stamped ten minutes ahead of this wall clock.
+        let newest = now_ms() + 600_000;
         let engine = Engine::new(
             Default::default(),
             pigeon_core::snowflake::Snowflake::new(0, 0).next(newest),
@@ -1537,6 +1554,15 @@ mod tests {
         let mut clock = DecisionClock::after(engine.newest_id_ms());
         assert_eq!(clock.next(), newest + 1);
         assert_eq!(clock.next(), newest + 2);
+    }
+
+    #[test]
+    fn a_store_stamped_far_ahead_does_not_hold_the_clock_in_the_future() {
+        let newest = now_ms() + DecisionClock::MAX_AHEAD_MS + 60_000;
+        let mut clock = DecisionClock::after(newest);
+        let stamp = clock.next();
+        assert!(stamp < newest - 60_000, "{stamp} stays near {newest}");
+        assert!(stamp >= now_ms() - 10_000);
     }
 
     #[test]
