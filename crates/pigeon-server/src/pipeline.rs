@@ -976,28 +976,22 @@ struct DecisionClock {
 }
 
 impl DecisionClock {
-    /// A clock whose first step is later than `newest` (the store's newest message, so that
-    /// a wall clock set back across a restart does not step back too), unless `newest` is
-    /// more than [`DecisionClock::MAX_AHEAD_MS`] ahead of the wall clock: stamps would then
-    /// stay that far in the future until the wall clock caught up, and a clock that was
-    /// that wrong is better left behind (with a warning; a time-bounded page's filter still
-    /// holds, only its binary search may miss a message at a bound).
+    /// A clock whose first step is later than `newest` (the store's newest message), so that
+    /// a wall clock set back across a restart does not step it back: time-bounded history
+    /// pages rely on `created_at` never decreasing along a conversation's seqs. A store
+    /// stamped far ahead (a clock that was wrong) holds stamps ahead until the wall clock
+    /// catches up, as message ids do; that is said once, at start.
     fn after(newest: i64) -> Self {
         let ahead = newest - now_ms();
-        if ahead > Self::MAX_AHEAD_MS {
+        if ahead > 60_000 {
             tracing::warn!(
                 ahead_secs = ahead / 1000,
                 "the newest stored message is stamped ahead of this machine's clock; \
-                 new messages are stamped by the clock, earlier than it"
+                 new messages are stamped after it until the clock catches up"
             );
-            return DecisionClock::default();
         }
         DecisionClock { last: newest }
     }
-
-    /// How far ahead of the wall clock the newest stored message may be for the clock to
-    /// start past it: a few minutes of drift corrected at a restart, not a wrong year.
-    const MAX_AHEAD_MS: i64 = 3_600_000;
 
     fn next(&mut self) -> i64 {
         self.last = now_ms().max(self.last + 1);
@@ -1556,13 +1550,48 @@ mod tests {
         assert_eq!(clock.next(), newest + 2);
     }
 
-    #[test]
-    fn a_store_stamped_far_ahead_does_not_hold_the_clock_in_the_future() {
-        let newest = now_ms() + DecisionClock::MAX_AHEAD_MS + 60_000;
-        let mut clock = DecisionClock::after(newest);
-        let stamp = clock.next();
-        assert!(stamp < newest - 60_000, "{stamp} stays near {newest}");
-        assert!(stamp >= now_ms() - 10_000);
+    /// The pipeline's clock starts past the newest id it is given (the store's, at start),
+    /// so a send after a restart whose wall clock went back is stamped later than what came
+    /// before.
+    #[tokio::test]
+    async fn a_send_after_the_clock_went_back_is_stamped_after_the_newest_message() {
+        let dir = TempDir(std::env::temp_dir().join(format!(
+            "pigeon-pipeline-clock-{}-{}",
+            std::process::id(),
+            now_ms()
+        )));
+        let store: Arc<dyn Store> = Arc::new(
+            pigeon_store_sqlite::SqliteStore::open(&dir.0, pigeon_store_sqlite::Durability::Os)
+                .unwrap(),
+        );
+        // The store's newest message was stamped ten minutes ahead of this wall clock.
+        let newest = now_ms() + 600_000;
+        let floor = pigeon_core::snowflake::Snowflake::new(0, 0).next(newest);
+        let (pipeline, _task) = Pipeline::start_with_gate(
+            store,
+            Engine::new(Default::default(), floor),
+            Arc::new(Hub::default()),
+            None,
+        );
+        for n in 1..=2 {
+            pipeline
+                .call(Command::UpsertUser {
+                    user: user(n),
+                    name: format!("u{n}"),
+                    avatar: String::new(),
+                })
+                .await
+                .unwrap();
+        }
+        let first = send(&pipeline, 1, 2, "after-1").await;
+        let second = send(&pipeline, 2, 1, "after-2").await;
+        assert!(
+            first.created_at > newest,
+            "{} <= {newest}",
+            first.created_at
+        );
+        assert!(second.created_at > first.created_at);
+        assert!(first.msg_id.get() > floor);
     }
 
     #[test]

@@ -91,9 +91,8 @@ pub fn history(
     let Some((lo, hi)) = seqs_created_within(c, conv, (lo, hi), q.from_time, q.to_time)? else {
         return Ok((Vec::new(), false));
     };
-    // The time bounds stay in the query too: a store written before the decision clock was
-    // seeded at start may hold a step back across a restart, and a row inside the narrowed
-    // seqs but outside the times is then still left out.
+    // The time bounds stay in the query too, so that a page never holds a message outside
+    // them, whatever the narrowing found.
     let sql = format!(
         "SELECT {MESSAGE_COLUMNS}, h.msg_id FROM messages m \
          LEFT JOIN hidden_messages h ON h.user_id = ?4 AND h.msg_id = m.msg_id \
@@ -628,9 +627,25 @@ mod tests {
             Some(5000),
         ];
         let mut checked = 0;
+        let stored = |s: &u64| *s <= 60 && !holes.contains(s);
         for (lo, hi) in [(1, 60), (5, 40), (31, 31), (61, 90)] {
             for from in times {
                 for to in times {
+                    // The narrowed seqs hold exactly the rows created within the bounds
+                    // (the page's filter cannot hide a search that keeps too much here).
+                    let within = |s: &u64| {
+                        from.is_none_or(|f| created(*s) >= f) && to.is_none_or(|t| created(*s) <= t)
+                    };
+                    let want: Vec<u64> = (lo..=hi).filter(stored).filter(within).collect();
+                    let got: Vec<u64> =
+                        match seqs_created_within(&c, &conv, (lo, hi), from, to).unwrap() {
+                            Some((a, b)) => {
+                                assert!(lo <= a && b <= hi, "{a}..={b} outside {lo}..={hi}");
+                                (a..=b).filter(stored).collect()
+                            }
+                            None => Vec::new(),
+                        };
+                    assert_eq!(got, want, "{lo}..={hi} {from:?}..{to:?}");
                     for anchor in [
                         HistoryAnchor::Newest,
                         HistoryAnchor::Before(25),

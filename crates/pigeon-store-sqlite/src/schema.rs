@@ -120,11 +120,27 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE inbox_v2 RENAME TO inbox;
     "#,
     // 3: no index of messages by time. A time-bounded page (`from_time`, `to_time`) finds
-    // its seqs by a binary search over `messages_by_seq` (`read::seqs_created_within`), as
-    // `created_at` never decreases along a conversation's seqs. The index was a fifth of
-    // the applier's B-tree inserts and CPU and a sixth of the tables' bytes, written for
-    // every message, for a query that is rare.
-    r#"DROP INDEX IF EXISTS messages_by_time;"#,
+    // its seqs by a binary search over `messages_by_seq` (`read::seqs_created_within`), which
+    // needs `created_at` never to decrease along a conversation's seqs. The decision clock
+    // keeps that from now on (it is monotonic and starts past the newest id); a store written
+    // before may hold a step back (a wall clock set back across a restart), so each such
+    // message is first stamped with the latest time before it in its conversation: it was
+    // decided after that message, so it was not created before it. The index was a sixth
+    // of the applier's CPU and of the tables' bytes, written for every message, for a
+    // query that is rare.
+    r#"
+    UPDATE messages SET created_at = fix.latest_before
+    FROM (
+        SELECT msg_id, latest_before FROM (
+            SELECT msg_id, created_at, max(created_at) OVER (
+                PARTITION BY conversation_id ORDER BY seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
+            ) AS latest_before
+            FROM messages
+        ) WHERE latest_before > created_at
+    ) AS fix
+    WHERE messages.msg_id = fix.msg_id;
+    DROP INDEX IF EXISTS messages_by_time;
+    "#,
 ];
 
 /// Brings `conn`'s schema to the newest version, one transaction per migration.
@@ -204,15 +220,37 @@ mod tests {
         );
     }
 
-    /// Version 3 drops the index by time a store of version 2 has; the tables keep working
-    /// and the index of seqs stays.
+    /// Version 3 drops the index by time a store of version 2 has (the index of seqs stays),
+    /// after stamping each message that steps back in time along its conversation's seqs
+    /// with the latest time before it; nothing else changes.
     #[test]
-    fn version_3_drops_the_index_by_time() {
+    fn version_3_drops_the_index_by_time_once_times_follow_seqs() {
         let mut c = Connection::open_in_memory().unwrap();
         let tx = c.transaction().unwrap();
         tx.execute_batch(MIGRATIONS[0]).unwrap();
         tx.execute_batch(MIGRATIONS[1]).unwrap();
         tx.pragma_update(None, "user_version", 2).unwrap();
+        // "1-2" steps back twice (a clock set back at seq 3, again at seq 6); "3-4" is in
+        // order, with ties, and interleaves with it in msg_id.
+        let rows = [
+            ("1-2", 1, 100),
+            ("1-2", 2, 200),
+            ("1-2", 3, 150),
+            ("1-2", 4, 180),
+            ("1-2", 5, 250),
+            ("1-2", 6, 90),
+            ("3-4", 1, 50),
+            ("3-4", 2, 50),
+            ("3-4", 3, 60),
+        ];
+        for (i, (conv, seq, at)) in rows.iter().enumerate() {
+            tx.execute(
+                "INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, status, version, created_at) \
+                 VALUES (?1, ?2, ?3, 1, 'text', '', 'normal', 1, ?4)",
+                rusqlite::params![i as i64 * 7 % 9 + 1, conv, seq, at],
+            )
+            .unwrap();
+        }
         tx.commit().unwrap();
         let indexes = |c: &Connection| -> Vec<String> {
             c.prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'messages' ORDER BY name")
@@ -228,6 +266,28 @@ mod tests {
             indexes(&c),
             vec!["messages_by_client_id", "messages_by_seq"]
         );
+        let times: Vec<(String, i64, i64)> = c
+            .prepare("SELECT conversation_id, seq, created_at FROM messages ORDER BY conversation_id, seq")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let want: Vec<(String, i64, i64)> = [
+            ("1-2", 1, 100),
+            ("1-2", 2, 200),
+            ("1-2", 3, 200),
+            ("1-2", 4, 200),
+            ("1-2", 5, 250),
+            ("1-2", 6, 250),
+            ("3-4", 1, 50),
+            ("3-4", 2, 50),
+            ("3-4", 3, 60),
+        ]
+        .into_iter()
+        .map(|(c, s, t)| (c.to_owned(), s, t))
+        .collect();
+        assert_eq!(times, want);
     }
 
     #[test]

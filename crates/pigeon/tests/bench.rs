@@ -253,6 +253,34 @@ fn disk() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
+    // Interrupted (Ctrl-C) mid-run, it stops, removes its file and says so.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+        .args(["bench", "disk", "--duration", "60", "--dir", d])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("pigeon bench runs");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::fs::read_dir(&dir).unwrap().count() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the probe never made its file"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "an interrupted probe left its file"
+    );
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_file(&json);
 }

@@ -2,8 +2,8 @@
 //! synced (`fdatasync`) again and again, as the journal's group commit does, and each sync is
 //! timed. Every acknowledged send waits for one such sync, so the tail here is a floor under
 //! the send latency of any run on the same disk: run it beside a `direct` run's figures to
-//! tell the disk's stalls from the server's (on this project's VM an idle disk gave p99.9
-//! 33 ms and a 226 ms maximum; see BENCHMARKS.md).
+//! tell the disk's stalls from the server's (on this project's VM, five 30 s runs on the
+//! idle machine had maxima of 8-48 ms, and one of 268 ms; see BENCHMARKS.md).
 
 use super::report::{Checks, Report};
 use super::{Progress, Res};
@@ -12,10 +12,20 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-/// The file starts again past this many bytes, as the journal starts a new segment.
+/// The probe's file, removed when the probe ends however it ends (an error, a panic).
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The file starts again (truncated) past this many bytes, as the journal starts a new
+/// segment.
 const FILE_BYTES: u64 = 64 << 20;
 
 #[derive(clap::Args)]
@@ -70,13 +80,24 @@ pub async fn run(a: Args) -> Res<ExitCode> {
         a.bytes,
         Duration::from_millis(a.interval_ms),
     );
-    let job_path = path.clone();
-    let timed = tokio::task::spawn_blocking(move || {
-        let out = time_syncs(&job_path, duration, bytes, pause, &done, &worst_us);
-        let _ = std::fs::remove_file(&job_path);
-        out
-    })
-    .await
+    let stop = Arc::new(AtomicBool::new(false));
+    let job = tokio::task::spawn_blocking({
+        let stop = stop.clone();
+        move || {
+            let _file = RemoveOnDrop(path.clone());
+            time_syncs(&path, duration, bytes, pause, (&done, &worst_us, &stop))
+        }
+    });
+    tokio::pin!(job);
+    let timed = tokio::select! {
+        timed = &mut job => timed,
+        _ = tokio::signal::ctrl_c() => {
+            // Let the probe see the stop and remove its file before going.
+            stop.store(true, Relaxed);
+            let _ = (&mut job).await;
+            return Err("interrupted (its file is removed)".into());
+        }
+    }
     .map_err(|e| format!("the disk probe stopped: {e}"))?;
     drop(progress);
     let (samples, elapsed) = timed?;
@@ -118,8 +139,7 @@ fn time_syncs(
     duration: Duration,
     bytes: usize,
     pause: Duration,
-    done: &AtomicU64,
-    worst_us: &AtomicU64,
+    (done, worst_us, stop): (&AtomicU64, &AtomicU64, &AtomicBool),
 ) -> Res<(Vec<u32>, Duration)> {
     let io = |e: std::io::Error| format!("{}: {e}", path.display());
     let create = || -> Res<File> {
@@ -135,7 +155,7 @@ fn time_syncs(
     let mut len = 0u64;
     let mut samples = Vec::new();
     let started = Instant::now();
-    while started.elapsed() < duration {
+    while started.elapsed() < duration && !stop.load(Relaxed) {
         if len >= FILE_BYTES {
             file = create()?;
             len = 0;
