@@ -254,7 +254,7 @@ fn disk() {
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
     // Interrupted (Ctrl-C) mid-run, it stops, removes its file and says so.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+    let child = Command::new(env!("CARGO_BIN_EXE_pigeon"))
         .args(["bench", "disk", "--duration", "60", "--dir", d])
         .stderr(std::process::Stdio::piped())
         .spawn()
