@@ -114,6 +114,28 @@ impl Http {
         }
     }
 
+    /// GETs a plain-text endpoint (`/metrics`): its body on a 2xx status.
+    pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
+        let mut req = self.client.get(format!("{}{}", self.base, path));
+        if let Some(b) = &self.bearer {
+            req = req.bearer_auth(b);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        let status = resp.status().as_u16();
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        if (200..300).contains(&status) {
+            Ok(text)
+        } else {
+            Err(ClientError::Decode(format!("status {status}: {text}")))
+        }
+    }
+
     pub async fn get(&self, path: &str) -> Result<Value, ClientError> {
         self.call(reqwest::Method::GET, path, None).await
     }

@@ -75,6 +75,19 @@ fn direct() {
     latency_keys(&v, "delivery_latency_ms");
     assert!(v["acked"].as_u64().unwrap() > 0, "{v:#}");
     assert!(v["delivered"].as_u64().unwrap() > 0, "{v:#}");
+    assert_commits(&v);
+}
+
+/// The server's own commit figures for the run, read from its `/metrics`: the sends were
+/// committed, and each slower count is within the one below it.
+fn assert_commits(v: &Value) {
+    let commits = v["store_commits"].as_u64().expect("store_commits");
+    assert!(commits > 0, "{v:#}");
+    assert!(v["store_commit_mean_ms"].as_f64().unwrap() > 0.0, "{v:#}");
+    let over = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v:#}"));
+    assert!(over("store_commits_over_100ms") <= over("store_commits_over_50ms"));
+    assert!(over("store_commits_over_50ms") <= over("store_commits_over_20ms"));
+    assert!(over("store_commits_over_20ms") <= commits);
 }
 
 #[test]
@@ -307,6 +320,7 @@ fn group_write_and_read_fanout() {
     assert_eq!(v["fanout"], "write", "{v:#}");
     latency_keys(&v, "completion_ms");
     assert!(v["delivered"].as_u64().unwrap() > 0, "{v:#}");
+    assert_commits(&v);
 
     // Above the threshold: the same groups use read fan-out.
     let v = bench(

@@ -2,6 +2,7 @@
 //! at a fixed total rate) for a while. Reports send→ack and send→delivered latency, messages
 //! delivered per second and the server's CPU.
 
+use super::commits::Commits;
 use super::driver::{self, PairPlan, SINGLE_P1};
 use super::{Common, MAX_CONNECTIONS_PER_PROCESS, Report, Res, Target, make_users, user_id_base};
 use std::process::ExitCode;
@@ -74,6 +75,7 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
         .enumerate()
         .map(|(i, (&id, token))| driver::pair_spec(i, id, ids[i ^ 1], token, plan))
         .collect();
+    let before = target.commits().await;
     let mut m = driver::measure(
         &target.ws_base(),
         specs,
@@ -82,6 +84,7 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
         &a.latency,
     )
     .await?;
+    let commits = Commits::between(before, target.commits().await);
     let mut rep = Report::new(
         "direct",
         format!(
@@ -94,5 +97,6 @@ async fn body(a: &Args, users: usize, target: &Target) -> Res<ExitCode> {
     rep.set("users", users);
     m.report_run(&mut rep, (a.rate, a.window), SINGLE_P1, "delivered_per_sec");
     m.report_cost(&mut rep);
+    Commits::report(commits.as_ref(), &mut rep);
     Ok(rep.finish(&m.out.checks, a.common.json.as_deref()))
 }

@@ -3,6 +3,7 @@
 //! Run it below and above the server's fan-out threshold by choosing M (or, with --spawn,
 //! `--fanout-write-max-members`).
 
+use super::commits::Commits;
 use super::direct::check_common;
 use super::driver::{self, GROUP_P1, SendPlan, Spec};
 use super::{
@@ -147,6 +148,7 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
             }
         })
         .collect();
+    let before = target.commits().await;
     let mut run = driver::measure(
         &target.ws_base(),
         specs,
@@ -155,6 +157,7 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
         &a.latency,
     )
     .await?;
+    let commits = Commits::between(before, target.commits().await);
     let mut rep = Report::new(
         "group",
         format!(
@@ -172,5 +175,6 @@ async fn body(a: &Args, target: &Target) -> Res<ExitCode> {
     run.report_run(&mut rep, (a.rate, a.window), GROUP_P1, "deliveries_per_sec");
     rep.latency("completion_ms", std::mem::take(&mut run.out.completion));
     run.report_cost(&mut rep);
+    Commits::report(commits.as_ref(), &mut rep);
     Ok(rep.finish(&run.out.checks, a.common.json.as_deref()))
 }

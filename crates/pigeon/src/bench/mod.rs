@@ -14,6 +14,7 @@
 //! file, so that a run's tail can be set against what the disk alone does.
 
 mod catchup;
+mod commits;
 mod connections;
 mod direct;
 mod disk;

@@ -90,6 +90,11 @@ impl Report {
         self.set(key, latency_summary(samples));
     }
 
+    /// The figures so far as one JSON object, in their order.
+    pub fn json(&self) -> Value {
+        Value::Object(self.rows.iter().cloned().collect())
+    }
+
     /// Adds the correctness counts and answers the exit code after printing (and writing the
     /// JSON file when asked).
     pub fn finish(mut self, checks: &Checks, json_path: Option<&Path>) -> ExitCode {
@@ -106,8 +111,7 @@ impl Report {
         self.set("ok", checks.ok());
         self.print();
         if let Some(path) = json_path {
-            let obj: Map<String, Value> = self.rows.iter().cloned().collect();
-            let text = serde_json::to_string_pretty(&Value::Object(obj)).unwrap_or_default();
+            let text = serde_json::to_string_pretty(&self.json()).unwrap_or_default();
             if let Err(e) = std::fs::write(path, text + "\n") {
                 eprintln!("pigeon bench: cannot write {}: {e}", path.display());
                 return ExitCode::from(2);

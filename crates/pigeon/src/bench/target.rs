@@ -98,6 +98,13 @@ impl Target {
         }
     }
 
+    /// The server's store-commit histogram now (`None` if its metrics cannot be read: the
+    /// run goes on without those figures).
+    pub async fn commits(&self) -> Option<super::commits::Commits> {
+        let text = self.admin.get_text("/metrics").await.ok()?;
+        super::commits::Commits::parse(&text)
+    }
+
     pub fn ws_base(&self) -> String {
         format!("ws://{}", self.addr)
     }
