@@ -5,6 +5,7 @@
 //! tables hold every batch acknowledged before it began.
 
 mod applier;
+mod background;
 mod journal;
 mod read;
 mod rows;
@@ -262,7 +263,10 @@ impl SqliteStore {
             let writes = writes.clone();
             std::thread::Builder::new()
                 .name("pigeon-apply".into())
-                .spawn(move || writes.run_applier())
+                .spawn(move || {
+                    background::run_as_batch_work();
+                    writes.run_applier()
+                })
                 .map_err(err)?
         };
         let store = SqliteStore {
@@ -306,6 +310,7 @@ impl SqliteStore {
         std::thread::Builder::new()
             .name("pigeon-checkpoint".into())
             .spawn(move || {
+                background::run_as_batch_work();
                 // Not `upgrade`: holding the last reference here would close the store on
                 // this thread, after its owner believed it closed.
                 while store.strong_count() > 0 {
@@ -733,6 +738,40 @@ mod tests {
             writes.close_journal();
             std::fs::remove_dir_all(dir).unwrap();
         }
+    }
+
+    /// The tables' threads of an open store run as batch work for the scheduler
+    /// (`background.rs`): threads named like them exist, and they have that policy.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn the_tables_threads_run_as_batch_work() {
+        let dir = temp_dir("batch-work");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        // Other tests' stores run in this process too: each name must have a thread under
+        // SCHED_BATCH (3) once this store's threads have started.
+        for name in ["pigeon-apply", "pigeon-checkpoi"] {
+            loop {
+                let batch = std::fs::read_dir("/proc/self/task")
+                    .unwrap()
+                    .flatten()
+                    .any(|t| {
+                        let path = t.path();
+                        std::fs::read_to_string(path.join("comm")).is_ok_and(|c| c.trim() == name)
+                            && crate::background::policy_in(path.join("sched").to_str().unwrap())
+                                == Some(libc::SCHED_BATCH as u32)
+                    });
+                if batch {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no {name} thread under SCHED_BATCH"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
+        drop(store);
     }
 
     /// The checkpointer syncs the tables and lets applied segments go, so that the journal
