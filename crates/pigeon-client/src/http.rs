@@ -62,6 +62,17 @@ impl Http {
         self.base.replacen("http", "ws", 1)
     }
 
+    /// A request to `path` of this server, with the bearer if any.
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let req = self
+            .client
+            .request(method, format!("{}{}", self.base, path));
+        match &self.bearer {
+            Some(b) => req.bearer_auth(b),
+            None => req,
+        }
+    }
+
     /// Any call; answers the status and the JSON body (`null` when empty).
     pub async fn raw(
         &self,
@@ -69,12 +80,7 @@ impl Http {
         path: &str,
         body: Option<&Value>,
     ) -> Result<(u16, Value), ClientError> {
-        let mut req = self
-            .client
-            .request(method, format!("{}{}", self.base, path));
-        if let Some(b) = &self.bearer {
-            req = req.bearer_auth(b);
-        }
+        let mut req = self.request(method, path);
         if let Some(body) = body {
             req = req.json(body);
         }
@@ -116,11 +122,8 @@ impl Http {
 
     /// GETs a plain-text endpoint (`/metrics`): its body on a 2xx status.
     pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
-        let mut req = self.client.get(format!("{}{}", self.base, path));
-        if let Some(b) = &self.bearer {
-            req = req.bearer_auth(b);
-        }
-        let resp = req
+        let resp = self
+            .request(reqwest::Method::GET, path)
             .send()
             .await
             .map_err(|e| ClientError::Transport(e.to_string()))?;

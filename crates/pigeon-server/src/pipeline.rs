@@ -1030,6 +1030,21 @@ mod tests {
         users: u64,
         gate: Option<crate::lag::Gate>,
     ) -> (Arc<dyn Store>, Pipeline, TempDir) {
+        let cfg = pigeon_core::engine::EngineConfig {
+            max_cached_conversations: max_cached,
+            ..Default::default()
+        };
+        pipeline_with_engine(name, Engine::new(cfg, 0), users, gate).await
+    }
+
+    /// A pipeline of `engine` over a real store in a fresh directory, with users
+    /// 1..=`users` registered.
+    async fn pipeline_with_engine(
+        name: &str,
+        engine: Engine,
+        users: u64,
+        gate: Option<crate::lag::Gate>,
+    ) -> (Arc<dyn Store>, Pipeline, TempDir) {
         let dir = TempDir(std::env::temp_dir().join(format!(
             "pigeon-pipeline-{name}-{}-{}",
             std::process::id(),
@@ -1039,16 +1054,8 @@ mod tests {
             pigeon_store_sqlite::SqliteStore::open(&dir.0, pigeon_store_sqlite::Durability::Os)
                 .unwrap(),
         );
-        let cfg = pigeon_core::engine::EngineConfig {
-            max_cached_conversations: max_cached,
-            ..Default::default()
-        };
-        let (pipeline, _task) = Pipeline::start_with_gate(
-            store.clone(),
-            Engine::new(cfg, 0),
-            Arc::new(Hub::default()),
-            gate,
-        );
+        let (pipeline, _task) =
+            Pipeline::start_with_gate(store.clone(), engine, Arc::new(Hub::default()), gate);
         for n in 1..=users {
             pipeline
                 .call(Command::UpsertUser {
@@ -1555,34 +1562,11 @@ mod tests {
     /// before.
     #[tokio::test]
     async fn a_send_after_the_clock_went_back_is_stamped_after_the_newest_message() {
-        let dir = TempDir(std::env::temp_dir().join(format!(
-            "pigeon-pipeline-clock-{}-{}",
-            std::process::id(),
-            now_ms()
-        )));
-        let store: Arc<dyn Store> = Arc::new(
-            pigeon_store_sqlite::SqliteStore::open(&dir.0, pigeon_store_sqlite::Durability::Os)
-                .unwrap(),
-        );
         // The store's newest message was stamped ten minutes ahead of this wall clock.
         let newest = now_ms() + 600_000;
         let floor = pigeon_core::snowflake::Snowflake::new(0, 0).next(newest);
-        let (pipeline, _task) = Pipeline::start_with_gate(
-            store,
-            Engine::new(Default::default(), floor),
-            Arc::new(Hub::default()),
-            None,
-        );
-        for n in 1..=2 {
-            pipeline
-                .call(Command::UpsertUser {
-                    user: user(n),
-                    name: format!("u{n}"),
-                    avatar: String::new(),
-                })
-                .await
-                .unwrap();
-        }
+        let engine = Engine::new(Default::default(), floor);
+        let (_store, pipeline, _dir) = pipeline_with_engine("clock", engine, 2, None).await;
         let first = send(&pipeline, 1, 2, "after-1").await;
         let second = send(&pipeline, 2, 1, "after-2").await;
         assert!(
