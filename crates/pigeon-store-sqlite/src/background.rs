@@ -7,9 +7,9 @@
 //! 32.7-139.2 ms in alternated runs; the maximum may be a few % lower (BENCHMARKS.md, tenth
 //! session).
 
-/// Runs the calling thread under `SCHED_BATCH` (Linux; elsewhere, and if refused, it stays
-/// as it is: only latency is at stake).
-#[cfg(target_os = "linux")]
+/// Runs the calling thread under `SCHED_BATCH` (Linux with glibc; elsewhere, and if refused,
+/// it stays as it is: only latency is at stake).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 pub fn run_as_batch_work() {
     let param = libc::sched_param { sched_priority: 0 };
@@ -25,32 +25,31 @@ pub fn run_as_batch_work() {
     }
 }
 
-#[cfg(not(target_os = "linux"))]
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub fn run_as_batch_work() {}
 
-/// The scheduling policy of the thread whose `/proc/.../sched` file is `sched` (3 is
-/// `SCHED_BATCH`), for tests.
-#[cfg(all(test, target_os = "linux"))]
-pub(crate) fn policy_in(sched: &str) -> Option<u32> {
-    let text = std::fs::read_to_string(sched).ok()?;
-    let line = text.lines().find(|l| l.starts_with("policy"))?;
-    line.split(':').nth(1)?.trim().parse().ok()
+/// The scheduling policy of the thread whose `/proc/.../stat` file is `stat` (its 41st
+/// field; 3 is `SCHED_BATCH`), for tests.
+#[cfg(all(test, target_os = "linux", target_env = "gnu"))]
+pub(crate) fn policy_in(stat: &str) -> Option<u32> {
+    let text = std::fs::read_to_string(stat).ok()?;
+    // Fields 3 and on follow the command name's closing parenthesis.
+    let after_name = &text[text.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(41 - 3)?.parse().ok()
 }
 
-#[cfg(all(test, target_os = "linux"))]
+#[cfg(all(test, target_os = "linux", target_env = "gnu"))]
 mod tests {
     use super::*;
 
     #[test]
     fn a_thread_asks_for_batch_scheduling_and_gets_it() {
-        let (before, after) = std::thread::spawn(|| {
-            let before = policy_in("/proc/thread-self/sched");
+        let policy = std::thread::spawn(|| {
             run_as_batch_work();
-            (before, policy_in("/proc/thread-self/sched"))
+            policy_in("/proc/thread-self/stat")
         })
         .join()
         .unwrap();
-        assert_eq!(before, Some(libc::SCHED_OTHER as u32));
-        assert_eq!(after, Some(libc::SCHED_BATCH as u32));
+        assert_eq!(policy, Some(libc::SCHED_BATCH as u32));
     }
 }

@@ -239,8 +239,10 @@ impl SqliteStore {
                 "applied journaled batches the tables lacked"
             );
         }
+        // After the journal: what an older binary journaled is covered too.
+        let stamped = schema::stamp_times_in_seq_order(&mut writer).map_err(err)?;
         let applied = journal.next_lsn() - 1;
-        if fsync && replayed > 0 {
+        if fsync && (replayed > 0 || stamped > 0) {
             // The replayed batches too, before their segments may go.
             sync_tables(&path)?;
         }
@@ -740,9 +742,40 @@ mod tests {
         }
     }
 
+    /// Opening a store written before times followed seqs stamps its step backs forward
+    /// (`schema::stamp_times_in_seq_order`), once.
+    #[tokio::test]
+    async fn opening_an_older_store_puts_its_times_in_seq_order() {
+        let dir = temp_dir("times-in-order");
+        drop(SqliteStore::open(&dir, Durability::Os).unwrap());
+        {
+            let c = Connection::open(dir.join("pigeon.db")).unwrap();
+            c.execute("DELETE FROM meta WHERE key = 'created_at_in_seq_order'", [])
+                .unwrap();
+            for (id, seq, at) in [(1, 1, 500), (2, 2, 400), (3, 3, 600)] {
+                c.execute(
+                    "INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, status, version, created_at) \
+                     VALUES (?1, '1-2', ?2, 1, 'text', '', 'normal', 1, ?3)",
+                    [id, seq, at],
+                )
+                .unwrap();
+            }
+        }
+        drop(SqliteStore::open(&dir, Durability::Os).unwrap());
+        let c = Connection::open(dir.join("pigeon.db")).unwrap();
+        let times: Vec<i64> = c
+            .prepare("SELECT created_at FROM messages ORDER BY seq")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(times, vec![500, 500, 600]);
+    }
+
     /// The tables' threads of an open store run as batch work for the scheduler
     /// (`background.rs`): threads named like them exist, and they have that policy.
-    #[cfg(target_os = "linux")]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[tokio::test]
     async fn the_tables_threads_run_as_batch_work() {
         let dir = temp_dir("batch-work");
@@ -758,7 +791,7 @@ mod tests {
                     .any(|t| {
                         let path = t.path();
                         std::fs::read_to_string(path.join("comm")).is_ok_and(|c| c.trim() == name)
-                            && crate::background::policy_in(path.join("sched").to_str().unwrap())
+                            && crate::background::policy_in(path.join("stat").to_str().unwrap())
                                 == Some(libc::SCHED_BATCH as u32)
                     });
                 if batch {

@@ -1,7 +1,7 @@
 //! Versioned schema migrations, applied in order at start; `PRAGMA user_version` records how
 //! far a database has come.
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 
 /// Each entry moves the schema one version forward. Never edit a released entry: add one.
 const MIGRATIONS: &[&str] = &[
@@ -121,26 +121,11 @@ const MIGRATIONS: &[&str] = &[
     "#,
     // 3: no index of messages by time. A time-bounded page (`from_time`, `to_time`) finds
     // its seqs by a binary search over `messages_by_seq` (`read::seqs_created_within`), which
-    // needs `created_at` never to decrease along a conversation's seqs. The decision clock
-    // keeps that from now on (it is monotonic and starts past the newest id); a store written
-    // before may hold a step back (a wall clock set back across a restart), so each such
-    // message is first stamped with the latest time before it in its conversation: it was
-    // decided after that message, so it was not created before it. The index was a sixth
-    // of the applier's CPU and of the tables' bytes, written for every message, for a
-    // query that is rare.
-    r#"
-    UPDATE messages SET created_at = fix.latest_before
-    FROM (
-        SELECT msg_id, latest_before FROM (
-            SELECT msg_id, created_at, max(created_at) OVER (
-                PARTITION BY conversation_id ORDER BY seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
-            ) AS latest_before
-            FROM messages
-        ) WHERE latest_before > created_at
-    ) AS fix
-    WHERE messages.msg_id = fix.msg_id;
-    DROP INDEX IF EXISTS messages_by_time;
-    "#,
+    // needs `created_at` never to decrease along a conversation's seqs: the decision clock
+    // keeps that from now on, and `stamp_times_in_seq_order` makes it true of what an
+    // older store holds, once, at open. The index was a sixth of the applier's CPU and of
+    // the tables' bytes, written for every message, for a query that is rare.
+    r#"DROP INDEX IF EXISTS messages_by_time;"#,
 ];
 
 /// Brings `conn`'s schema to the newest version, one transaction per migration.
@@ -172,6 +157,56 @@ pub fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
         tracing::info!(version = i + 1, "applied schema migration");
     }
     Ok(())
+}
+
+/// The meta key set once every message's `created_at` is known to follow its conversation's
+/// seqs.
+const TIMES_IN_SEQ_ORDER: &str = "created_at_in_seq_order";
+
+/// Once per store: stamps each message whose `created_at` is earlier than that of a message
+/// before it in its conversation (a wall clock set back across a restart, before the
+/// decision clock started past the newest id) with the latest time before it: it was
+/// decided after that message, so it was not created before it. Run at open after the
+/// journal is applied, so that batches an older binary journaled are covered too. Answers
+/// how many messages it stamped.
+pub fn stamp_times_in_seq_order(conn: &mut Connection) -> rusqlite::Result<usize> {
+    let done: Option<String> = conn
+        .query_row(
+            "SELECT value FROM meta WHERE key = ?1",
+            [TIMES_IN_SEQ_ORDER],
+            |r| r.get(0),
+        )
+        .optional()?;
+    if done.is_some() {
+        return Ok(0);
+    }
+    tracing::info!(
+        "checking that message times follow their seqs (once; may take a while on a large store)"
+    );
+    let tx = conn.transaction()?;
+    let stamped = tx.execute(
+        "UPDATE messages SET created_at = fix.latest_before
+         FROM (
+             SELECT msg_id, latest_before FROM (
+                 SELECT msg_id, created_at, max(created_at) OVER (
+                     PARTITION BY conversation_id ORDER BY seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
+                 ) AS latest_before
+                 FROM messages
+             ) WHERE latest_before > created_at
+         ) AS fix
+         WHERE messages.msg_id = fix.msg_id",
+        [],
+    )?;
+    crate::write::meta_set(&tx, TIMES_IN_SEQ_ORDER, "1")?;
+    tx.commit()?;
+    if stamped > 0 {
+        tracing::warn!(
+            messages = stamped,
+            "stamped messages created earlier than a message before them in their conversation \
+             with that message's time (a clock set back across an earlier restart)"
+        );
+    }
+    Ok(stamped)
 }
 
 pub fn newest_version() -> usize {
@@ -220,37 +255,14 @@ mod tests {
         );
     }
 
-    /// Version 3 drops the index by time a store of version 2 has (the index of seqs stays),
-    /// after stamping each message that steps back in time along its conversation's seqs
-    /// with the latest time before it; nothing else changes.
+    /// Version 3 drops the index by time a store of version 2 has; the index of seqs stays.
     #[test]
-    fn version_3_drops_the_index_by_time_once_times_follow_seqs() {
+    fn version_3_drops_the_index_by_time() {
         let mut c = Connection::open_in_memory().unwrap();
         let tx = c.transaction().unwrap();
         tx.execute_batch(MIGRATIONS[0]).unwrap();
         tx.execute_batch(MIGRATIONS[1]).unwrap();
         tx.pragma_update(None, "user_version", 2).unwrap();
-        // "1-2" steps back twice (a clock set back at seq 3, again at seq 6); "3-4" is in
-        // order, with ties, and interleaves with it in msg_id.
-        let rows = [
-            ("1-2", 1, 100),
-            ("1-2", 2, 200),
-            ("1-2", 3, 150),
-            ("1-2", 4, 180),
-            ("1-2", 5, 250),
-            ("1-2", 6, 90),
-            ("3-4", 1, 50),
-            ("3-4", 2, 50),
-            ("3-4", 3, 60),
-        ];
-        for (i, (conv, seq, at)) in rows.iter().enumerate() {
-            tx.execute(
-                "INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, status, version, created_at) \
-                 VALUES (?1, ?2, ?3, 1, 'text', '', 'normal', 1, ?4)",
-                rusqlite::params![i as i64 * 7 % 9 + 1, conv, seq, at],
-            )
-            .unwrap();
-        }
         tx.commit().unwrap();
         let indexes = |c: &Connection| -> Vec<String> {
             c.prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'messages' ORDER BY name")
@@ -266,13 +278,47 @@ mod tests {
             indexes(&c),
             vec!["messages_by_client_id", "messages_by_seq"]
         );
-        let times: Vec<(String, i64, i64)> = c
-            .prepare("SELECT conversation_id, seq, created_at FROM messages ORDER BY conversation_id, seq")
-            .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .unwrap()
-            .collect::<Result<_, _>>()
+    }
+
+    /// Each message that steps back in time along its conversation's seqs is stamped with
+    /// the latest time before it; nothing else changes, and it is done once.
+    #[test]
+    fn times_are_stamped_in_seq_order_once() {
+        let mut c = Connection::open_in_memory().unwrap();
+        migrate(&mut c).unwrap();
+        // "1-2" steps back twice (a clock set back at seq 3, again at seq 6); "3-4" is in
+        // order, with ties, and interleaves with it in msg_id.
+        let rows = [
+            ("1-2", 1, 100),
+            ("1-2", 2, 200),
+            ("1-2", 3, 150),
+            ("1-2", 4, 180),
+            ("1-2", 5, 250),
+            ("1-2", 6, 90),
+            ("3-4", 1, 50),
+            ("3-4", 2, 50),
+            ("3-4", 3, 60),
+        ];
+        let insert = |c: &Connection, i: i64, (conv, seq, at): (&str, i64, i64)| {
+            c.execute(
+                "INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, status, version, created_at) \
+                 VALUES (?1, ?2, ?3, 1, 'text', '', 'normal', 1, ?4)",
+                rusqlite::params![i, conv, seq, at],
+            )
             .unwrap();
+        };
+        for (i, row) in rows.into_iter().enumerate() {
+            insert(&c, i as i64 * 7 % 9 + 1, row);
+        }
+        assert_eq!(stamp_times_in_seq_order(&mut c).unwrap(), 3);
+        let times = |c: &Connection| -> Vec<(String, i64, i64)> {
+            c.prepare("SELECT conversation_id, seq, created_at FROM messages ORDER BY conversation_id, seq")
+                .unwrap()
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap()
+        };
         let want: Vec<(String, i64, i64)> = [
             ("1-2", 1, 100),
             ("1-2", 2, 200),
@@ -287,7 +333,11 @@ mod tests {
         .into_iter()
         .map(|(c, s, t)| (c.to_owned(), s, t))
         .collect();
-        assert_eq!(times, want);
+        assert_eq!(times(&c), want);
+        // Once: a later step back (which the decision clock no longer makes) is left alone.
+        insert(&c, 99, ("3-4", 4, 10));
+        assert_eq!(stamp_times_in_seq_order(&mut c).unwrap(), 0);
+        assert_eq!(times(&c).last().unwrap().2, 10);
     }
 
     #[test]

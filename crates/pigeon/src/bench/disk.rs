@@ -3,7 +3,7 @@
 //! timed. Every acknowledged send waits for one such sync, so the tail here is a floor under
 //! the send latency of any run on the same disk: run it beside a `direct` run's figures to
 //! tell the disk's stalls from the server's (on this project's VM, five 30 s runs on the
-//! idle machine had maxima of 8-48 ms, and one of 268 ms; see BENCHMARKS.md).
+//! idle machine had maxima of 8-48 ms in four and 268 ms in one; see BENCHMARKS.md).
 
 use super::report::{Checks, Report};
 use super::{Progress, Res};
@@ -80,6 +80,9 @@ pub async fn run(a: Args) -> Res<ExitCode> {
         a.bytes,
         Duration::from_millis(a.interval_ms),
     );
+    // Listening before the file exists: a Ctrl-C from then on removes it.
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| format!("cannot listen for Ctrl-C: {e}"))?;
     let stop = Arc::new(AtomicBool::new(false));
     let job = tokio::task::spawn_blocking({
         let stop = stop.clone();
@@ -91,7 +94,7 @@ pub async fn run(a: Args) -> Res<ExitCode> {
     tokio::pin!(job);
     let timed = tokio::select! {
         timed = &mut job => timed,
-        _ = tokio::signal::ctrl_c() => {
+        Some(()) = interrupt.recv() => {
             // Let the probe see the stop and remove its file before going.
             stop.store(true, Relaxed);
             let _ = (&mut job).await;

@@ -102,7 +102,7 @@ impl Target {
     /// run goes on without those figures).
     pub async fn commits(&self) -> Option<super::commits::Commits> {
         let text = self.admin.get_text("/metrics").await.ok()?;
-        super::commits::Commits::parse(&text)
+        Some(super::commits::Commits::parse(&text))
     }
 
     pub fn ws_base(&self) -> String {
