@@ -34,6 +34,15 @@ pub struct Http {
     client: reqwest::Client,
 }
 
+/// Sends `req`; answers the status and the whole body.
+async fn fetch(req: reqwest::RequestBuilder) -> Result<(u16, Vec<u8>), ClientError> {
+    let transport = |e: reqwest::Error| ClientError::Transport(e.to_string());
+    let resp = req.send().await.map_err(transport)?;
+    let status = resp.status().as_u16();
+    let body = resp.bytes().await.map_err(transport)?;
+    Ok((status, body.into()))
+}
+
 impl Http {
     /// `base` like `http://127.0.0.1:8080`.
     pub fn new(base: impl Into<String>) -> Self {
@@ -84,15 +93,7 @@ impl Http {
         if let Some(body) = body {
             req = req.json(body);
         }
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| ClientError::Transport(e.to_string()))?;
-        let status = resp.status().as_u16();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        let (status, bytes) = fetch(req).await?;
         let value = if bytes.is_empty() {
             Value::Null
         } else {
@@ -122,16 +123,8 @@ impl Http {
 
     /// GETs a plain-text endpoint (`/metrics`): its body on a 2xx status.
     pub async fn get_text(&self, path: &str) -> Result<String, ClientError> {
-        let resp = self
-            .request(reqwest::Method::GET, path)
-            .send()
-            .await
-            .map_err(|e| ClientError::Transport(e.to_string()))?;
-        let status = resp.status().as_u16();
-        let text = resp
-            .text()
-            .await
-            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        let (status, bytes) = fetch(self.request(reqwest::Method::GET, path)).await?;
+        let text = String::from_utf8_lossy(&bytes).into_owned();
         if (200..300).contains(&status) {
             Ok(text)
         } else {

@@ -217,6 +217,20 @@ pub fn newest_version() -> usize {
 mod tests {
     use super::*;
 
+    /// Every row `sql` selects, read by `row`.
+    fn select_all<T>(
+        c: &Connection,
+        sql: &str,
+        row: impl FnMut(&rusqlite::Row) -> rusqlite::Result<T>,
+    ) -> Vec<T> {
+        c.prepare(sql)
+            .unwrap()
+            .query_map([], row)
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
     /// A store made at version 1 keeps every inbox entry through the later migrations.
     #[test]
     fn an_inbox_written_at_version_1_survives_the_migrations() {
@@ -237,13 +251,11 @@ mod tests {
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
         assert_eq!(version as usize, newest_version());
-        let rows: Vec<(i64, i64, i64)> = c
-            .prepare("SELECT user_id, user_seq, msg_id FROM inbox ORDER BY user_id, user_seq")
-            .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
+        let rows: Vec<(i64, i64, i64)> = select_all(
+            &c,
+            "SELECT user_id, user_seq, msg_id FROM inbox ORDER BY user_id, user_seq",
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        );
         assert_eq!(rows, vec![(7, 1, 100), (7, 2, 101), (8, 1, 100)]);
         // A duplicate position is still refused.
         assert!(
@@ -265,12 +277,11 @@ mod tests {
         tx.pragma_update(None, "user_version", 2).unwrap();
         tx.commit().unwrap();
         let indexes = |c: &Connection| -> Vec<String> {
-            c.prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'messages' ORDER BY name")
-                .unwrap()
-                .query_map([], |r| r.get(0))
-                .unwrap()
-                .collect::<Result<_, _>>()
-                .unwrap()
+            select_all(
+                c,
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'messages' ORDER BY name",
+                |r| r.get(0),
+            )
         };
         assert!(indexes(&c).contains(&"messages_by_time".to_owned()));
         migrate(&mut c).unwrap();
@@ -312,12 +323,11 @@ mod tests {
         }
         assert_eq!(stamp_times_in_seq_order(&mut c).unwrap(), 3);
         let times = |c: &Connection| -> Vec<(String, i64, i64)> {
-            c.prepare("SELECT conversation_id, seq, created_at FROM messages ORDER BY conversation_id, seq")
-                .unwrap()
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-                .unwrap()
-                .collect::<Result<_, _>>()
-                .unwrap()
+            select_all(
+                c,
+                "SELECT conversation_id, seq, created_at FROM messages ORDER BY conversation_id, seq",
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
         };
         let want: Vec<(String, i64, i64)> = [
             ("1-2", 1, 100),
