@@ -6,6 +6,7 @@
 
 use crate::err;
 use crate::journal::{Journal, RecordBuf};
+use crate::table_files::{TableFile, TableFiles};
 use crate::write;
 use pigeon_core::changes::Changes;
 use pigeon_core::store::StoreError;
@@ -37,7 +38,7 @@ const APPLY_BYTES: usize = 8 << 20;
 /// when the whole transaction was written after the wait).
 const APPLY_STEP: Duration = Duration::from_millis(10);
 /// How often the applier checkpoints the WAL itself, before it begins a transaction (see
-/// `run_applier`); the checkpointer thread still syncs the tables every 100 ms.
+/// `run_applier`); the checkpointer thread syncs the tables every 100 ms.
 const CHECKPOINT_BEFORE_BEGIN: Duration = Duration::from_millis(100);
 /// The same after a transaction a reader cut short.
 const CHECKPOINT_AFTER_A_READ: Duration = Duration::from_secs(1);
@@ -335,6 +336,13 @@ impl StoreWrites {
     pub fn run_applier(self: Arc<Self>) {
         let mut checkpointed = Instant::now();
         let mut last_cut_short = false;
+        // With durability `fsync`, this thread's checkpoints make the tables durable
+        // themselves, a step at a time (`checkpoint_in_steps`).
+        let mut files = {
+            let conn = self.writer.lock().expect("writer lock");
+            let path = conn.path().filter(|_| self.keep_until_durable);
+            path.map(|p| TableFiles::new(Path::new(p)))
+        };
         while let Some(oldest) = self.wait_for_batches() {
             let mut taken: Vec<(u64, Changes, usize)> = Vec::new();
             let mut busy = Duration::ZERO;
@@ -348,15 +356,25 @@ impl StoreWrites {
                     };
                 if due && self.readers_waiting.load(Ordering::Acquire) == 0 {
                     // Under a steady load the next transaction begins right after the last
-                    // commit, before the checkpointer has copied it; SQLite writes a
-                    // transaction from the WAL's start again only if, when it began, every
-                    // frame was copied. Without this the WAL grew to the 160 MB backstop
+                    // commit; SQLite writes a transaction from the WAL's start again only
+                    // if, when it began, every frame was copied. Without this the WAL grew to the 160 MB backstop
                     // and every write went to a new page of it (the server's maximum fell
                     // by 4 %). Never while a reader waits; after a transaction a reader cut
                     // short (its next read may come at once, and would wait for this
                     // checkpoint's two fsyncs) at most once a second.
                     let started = Instant::now();
-                    if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                    if let Some(files) = files.as_mut() {
+                        if let Err(e) = checkpoint_in_steps(&conn, files) {
+                            // The copy may not be durable: no transaction may start the WAL
+                            // over, so the tables take no more batches (what SQLite's own
+                            // checkpoint leaves after a failed sync: the WAL keeps them).
+                            tracing::error!(error = %e, "the tables could not be made durable: \
+                                they take no more batches (sends fail once the backlog is full; \
+                                restart once the disk is sound: the journal is applied again at open)");
+                            return;
+                        }
+                    } else if let Err(e) =
+                        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
                     {
                         tracing::warn!(error = %e, "wal checkpoint before a transaction failed");
                     }
@@ -622,5 +640,77 @@ pub fn applied_lsn(conn: &Connection) -> Result<u64, StoreError> {
         Some(v) => v
             .parse()
             .map_err(|_| StoreError(format!("meta {APPLIED_KEY} is not a number: {v}"))),
+    }
+}
+
+/// Copies the WAL into the database file with the tables' writes reaching the disk a step
+/// at a time (see `table_files.rs`), in the order SQLite's own checkpoint syncs them: the
+/// WAL is made durable, SQLite copies it without syncing, then the database file is made
+/// durable. The caller holds the only writer throughout, so SQLite cannot start the WAL
+/// over (the next transaction would) before the copy is durable.
+fn checkpoint_in_steps(conn: &Connection, files: &mut TableFiles) -> Result<(), StoreError> {
+    files.sync_file(TableFile::Wal)?;
+    conn.pragma_update(None, "synchronous", "OFF")
+        .map_err(err)?;
+    let copied = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+    let restored = conn.pragma_update(None, "synchronous", "NORMAL");
+    copied.and(restored).map_err(err)?;
+    files.sync_file(TableFile::Database)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::temp_dir;
+
+    fn rows_in(db: &Path) -> i64 {
+        Connection::open(db)
+            .unwrap()
+            .query_row("SELECT count(*) FROM t", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    /// The copy reaches the database file itself, and the writer's own syncing is as it
+    /// was: a transaction's commit must not be left with `synchronous=OFF`.
+    #[test]
+    fn a_checkpoint_in_steps_copies_the_wal_and_leaves_the_writer_as_it_was() {
+        let dir = temp_dir("ckpt-steps");
+        let db = dir.join("pigeon.db");
+        let conn = Connection::open(&db).unwrap();
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        conn.pragma_update(None, "synchronous", "NORMAL").unwrap();
+        conn.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+        conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
+        for _ in 0..300 {
+            conn.execute("INSERT INTO t VALUES (zeroblob(4000))", [])
+                .unwrap();
+        }
+        // The database file alone (a copy without its WAL) does not hold the rows yet.
+        let alone = temp_dir("ckpt-steps-copy").join("pigeon.db");
+        std::fs::copy(&db, &alone).unwrap();
+        assert!(
+            Connection::open(&alone)
+                .unwrap()
+                .query_row("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0))
+                .is_err()
+        );
+
+        let mut files = TableFiles::new(&db);
+        checkpoint_in_steps(&conn, &mut files).unwrap();
+
+        let synchronous: i64 = conn
+            .query_row("PRAGMA synchronous", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(synchronous, 1, "NORMAL again");
+        std::fs::remove_file(&alone).unwrap();
+        std::fs::copy(&db, &alone).unwrap();
+        assert_eq!(rows_in(&alone), 300, "the database file holds every row");
+        // Every frame was copied: the next transaction writes the WAL from its start.
+        let wal = crate::table_files::wal_path(&db);
+        let before = std::fs::metadata(&wal).unwrap().len();
+        conn.execute("INSERT INTO t VALUES (zeroblob(4000))", [])
+            .unwrap();
+        assert_eq!(std::fs::metadata(&wal).unwrap().len(), before);
+        assert_eq!(rows_in(&db), 301);
     }
 }

@@ -10,6 +10,7 @@ mod journal;
 mod read;
 mod rows;
 mod schema;
+mod table_files;
 mod write;
 
 use applier::StoreWrites;
@@ -27,6 +28,7 @@ use rusqlite::{Connection, OpenFlags};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use table_files::TableFiles;
 
 pub use schema::newest_version as schema_version;
 
@@ -35,8 +37,8 @@ pub use schema::newest_version as schema_version;
 pub enum Durability {
     /// fdatasync the journal at every commit: an acknowledged message survives power loss.
     /// The tables' transactions are not synced as they commit (`synchronous=NORMAL`); the
-    /// checkpointer syncs the WAL every 100 ms, and a journal segment is deleted only once
-    /// the tables hold its batches durably. (Synced at every commit, four or more times a
+    /// checkpointer syncs the tables' files every 100 ms, a step at a time, and a journal
+    /// segment is deleted only once the tables hold its batches durably. (Synced at every commit, four or more times a
     /// second under load, each of those fsyncs wrote megabytes at once, and every journal
     /// fsync behind it on the one disk waited: at 15 000 sends/s the p99 was 19-52 ms in
     /// six runs, 15-22 ms without those fsyncs; BENCHMARKS.md, sixth session.)
@@ -121,57 +123,11 @@ pub const DEFAULT_BACKLOG_BYTES: usize = 64 << 20;
 /// begins the next one, so SQLite reuses the WAL from its start).
 const WAL_AUTOCHECKPOINT_PAGES: i64 = 40_000;
 
-fn wal_path(db: &Path) -> PathBuf {
-    let mut p = db.as_os_str().to_owned();
-    p.push("-wal");
-    PathBuf::from(p)
-}
-
 /// Makes everything the tables' files hold durable: the database file and its WAL, each
 /// through a descriptor of its own (any descriptor of a file flushes all of its written
 /// pages).
 fn sync_tables(db: &Path) -> Result<(), StoreError> {
     TableFiles::new(db).sync()
-}
-
-/// The tables' files (the database and its WAL) as the checkpointer syncs them, each
-/// through one descriptor held from its first sync on: Linux reports a write-back error to
-/// every descriptor open when it happened, so an error that SQLite's own sync met (and a
-/// writer's automatic checkpoint ignores) is seen here too, which a descriptor opened
-/// afterwards would not.
-struct TableFiles {
-    paths: [PathBuf; 2],
-    open: [Option<std::fs::File>; 2],
-    /// A sync failed: nothing is trusted to be durable again in this process.
-    failed: bool,
-}
-
-impl TableFiles {
-    fn new(db: &Path) -> Self {
-        TableFiles {
-            paths: [db.to_path_buf(), wal_path(db)],
-            open: [None, None],
-            failed: false,
-        }
-    }
-
-    fn sync(&mut self) -> Result<(), StoreError> {
-        for (path, file) in self.paths.iter().zip(self.open.iter_mut()) {
-            if file.is_none() {
-                match std::fs::File::open(path) {
-                    Ok(f) => *file = Some(f),
-                    // Not made yet: it holds nothing to sync.
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(StoreError(format!("open {}: {e}", path.display()))),
-                }
-            }
-            if let Some(f) = file {
-                f.sync_data()
-                    .map_err(|e| StoreError(format!("sync {}: {e}", path.display())))?;
-            }
-        }
-        Ok(())
-    }
 }
 
 pub(crate) fn err(e: impl std::fmt::Display) -> StoreError {
@@ -285,20 +241,21 @@ impl SqliteStore {
         Ok(store)
     }
 
-    /// Checkpoints the WAL from its own connection and thread, so that no checkpoint runs
-    /// inside the applier's transaction: SQLite's automatic checkpoint runs inside a commit
-    /// and stalls it (when transactions were the commits, it was ~6 % of the server's time
-    /// and the longest commits under load). The applier checkpoints too, between two
-    /// transactions under a steady load, so that the WAL is reused. Every 100 ms a
-    /// PASSIVE checkpoint copies what it can without blocking anyone; the writer's automatic
-    /// checkpoint stays as a backstop at [`WAL_AUTOCHECKPOINT_PAGES`]. (A RESTART or TRUNCATE
-    /// checkpoint from here, to keep the WAL small under a steady load, was tried: it blocks
-    /// the writer while it waits for readers, and the p99 of sends doubled.) With `fsync`
-    /// it then syncs the WAL, which makes every batch applied before the checkpoint durable
-    /// in the tables (what was copied into the database file before was synced there by
-    /// the checkpoint that copied it, before SQLite may reuse the WAL), and tells the
-    /// applier so: the journal segments of those batches may go. The thread ends with the
-    /// store.
+    /// Makes the tables durable from a thread of its own, every 100 ms. With `fsync` it
+    /// writes the database file and the WAL back a step at a time and syncs them
+    /// (`table_files.rs`), which makes every batch applied before durable in the tables,
+    /// and tells the applier so: the journal segments of those batches may go. It copies
+    /// nothing itself: the applier checkpoints between two transactions, holding the only
+    /// writer, a step at a time too (a PASSIVE checkpoint from here would sync through
+    /// SQLite, which hands the disk a quarter second's pages at once, and every journal
+    /// sync queued behind them). Without `fsync` it checkpoints the WAL every 100 ms, so
+    /// that no checkpoint runs inside the applier's transaction: SQLite's automatic
+    /// checkpoint runs inside a commit and stalls it (when transactions were the commits,
+    /// it was ~6 % of the server's time and the longest commits under load). The writer's
+    /// automatic checkpoint stays as a backstop at [`WAL_AUTOCHECKPOINT_PAGES`]. (A RESTART
+    /// or TRUNCATE checkpoint from here, to keep the WAL small under a steady load, was
+    /// tried: it blocks the writer while it waits for readers, and the p99 of sends
+    /// doubled.) The thread ends with the store.
     fn start_checkpointer(&self, fsync: bool) -> Result<(), StoreError> {
         let conn = Connection::open(&self.inner.path).map_err(err)?;
         conn.pragma_update(None, "busy_timeout", 5000)
@@ -321,18 +278,21 @@ impl SqliteStore {
                         break;
                     };
                     let applied = writes.applied();
-                    let checkpoint =
-                        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
-                    if let Err(e) = &checkpoint {
-                        tracing::warn!(error = %e, "wal checkpoint failed");
-                    }
                     let Some(tables) = files.as_mut() else {
+                        if let Err(e) =
+                            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                        {
+                            tracing::warn!(error = %e, "wal checkpoint failed");
+                        }
                         continue;
                     };
                     if tables.failed {
                         continue;
                     }
-                    match checkpoint.map_err(err).and_then(|()| tables.sync()) {
+                    let t1 = std::time::Instant::now();
+                    let r = tables.sync();
+                    eprintln!("EV tsync {:?} {:?}", t1, t1.elapsed());
+                    match r {
                         Ok(()) => writes.tables_durable(applied),
                         Err(e) => {
                             // A write-back error is reported once: a later sync that
@@ -740,6 +700,51 @@ mod tests {
             writes.close_journal();
             std::fs::remove_dir_all(dir).unwrap();
         }
+    }
+
+    /// A checkpoint whose copy may not be durable leaves the WAL as it is: the tables take
+    /// no more batches (the journal still holds them), as SQLite's own checkpoint leaves
+    /// the WAL after a failed sync.
+    #[tokio::test]
+    async fn the_tables_take_no_more_batches_once_a_checkpoint_cannot_be_made_durable() {
+        let dir = temp_dir("ckpt-fails");
+        let db = dir.join("pigeon.db");
+        let mut writer = Connection::open(&db).unwrap();
+        writer.pragma_update(None, "journal_mode", "WAL").unwrap();
+        schema::migrate(&mut writer).unwrap();
+        let (journal, _) = Journal::open(&dir.join("journal"), true, 0).unwrap();
+        let writes = StoreWrites::new(writer, journal, 0, DEFAULT_BACKLOG_BYTES, true);
+        let applier = {
+            let w = writes.clone();
+            std::thread::spawn(move || w.run_applier())
+        };
+        writes.commit(user_named(1, "a")).unwrap();
+        writes.caught_up().await.unwrap();
+        assert_eq!(writes.applied(), 1);
+        // The WAL can no longer be opened to be synced (SQLite keeps the descriptor it has).
+        let wal = table_files::wal_path(&db);
+        let moved = dir.join("wal-moved");
+        std::fs::rename(&wal, &moved).unwrap();
+        std::os::unix::fs::symlink(&wal, &wal).unwrap();
+        // The transaction a reader cut short puts the next checkpoint a second off.
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        writes.commit(user_named(2, "b")).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !applier.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(applier.is_finished(), "the applier stopped");
+        assert_eq!(
+            writes.applied(),
+            1,
+            "the second batch stays in the journal only"
+        );
+        std::fs::remove_file(&wal).unwrap();
+        std::fs::rename(&moved, &wal).unwrap();
+        writes.close();
+        applier.join().unwrap();
+        writes.close_journal();
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     /// Opening a store written before times followed seqs stamps its step backs forward

@@ -1,0 +1,137 @@
+//! The tables' files (the database and its WAL) as this store makes them durable itself,
+//! written back to the disk a step at a time.
+//!
+//! SQLite's own sync of a checkpoint handed the disk every page the quarter second's
+//! transaction dirtied at once (~5 MB of WAL, then ~5 MB of the database), and every journal
+//! fdatasync issued meanwhile (each acknowledged send waits on one) queued behind it: the
+//! write-back throttle and the device's queue hold the lump, so sends answered in 4-13 ms
+//! instead of 0.3-1 ms for the tens of milliseconds it took. Written back in steps of
+//! [`STEP_BYTES`], each waited for before the next is started, the tables never hold more
+//! than one step in the disk's queue, and the sync that follows finds nothing left to write
+//! but the file's metadata.
+
+use pigeon_core::store::StoreError;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// Which of the tables' files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableFile {
+    Database = 0,
+    Wal = 1,
+}
+
+/// The most bytes of the tables' writes in the disk's queue at once.
+const STEP_BYTES: u64 = 512 << 10;
+
+pub fn wal_path(db: &Path) -> PathBuf {
+    let mut p = db.as_os_str().to_owned();
+    p.push("-wal");
+    PathBuf::from(p)
+}
+
+/// The database file and its WAL, each through one descriptor held from its first sync on:
+/// Linux reports a write-back error to every descriptor open when it happened, so an error
+/// that SQLite's own sync met (and a writer's automatic checkpoint ignores) is seen here
+/// too, which a descriptor opened afterwards would not.
+pub struct TableFiles {
+    paths: [PathBuf; 2],
+    open: [Option<File>; 2],
+    /// A sync failed: nothing is trusted to be durable again in this process.
+    pub failed: bool,
+}
+
+impl TableFiles {
+    pub fn new(db: &Path) -> Self {
+        TableFiles {
+            paths: [db.to_path_buf(), wal_path(db)],
+            open: [None, None],
+            failed: false,
+        }
+    }
+
+    /// Makes everything both files hold durable.
+    pub fn sync(&mut self) -> Result<(), StoreError> {
+        self.sync_file(TableFile::Database)?;
+        self.sync_file(TableFile::Wal)
+    }
+
+    /// Makes everything `which` holds durable, written back a step at a time.
+    pub fn sync_file(&mut self, which: TableFile) -> Result<(), StoreError> {
+        let (path, file) = (&self.paths[which as usize], &mut self.open[which as usize]);
+        if file.is_none() {
+            match File::open(path) {
+                Ok(f) => *file = Some(f),
+                // Not made yet: it holds nothing to sync.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(StoreError(format!("open {}: {e}", path.display()))),
+            }
+        }
+        let Some(f) = file else { return Ok(()) };
+        write_back_in_steps(f)
+            .and_then(|()| f.sync_data())
+            .map_err(|e| StoreError(format!("sync {}: {e}", path.display())))
+    }
+}
+
+/// Starts the write-back of `file`'s dirty pages [`STEP_BYTES`] at a time and waits for each
+/// step before the next (Linux; elsewhere the sync after it writes them all at once).
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn write_back_in_steps(file: &File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = file.metadata()?.len();
+    let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+        | libc::SYNC_FILE_RANGE_WRITE
+        | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+    let mut offset = 0;
+    while offset < len {
+        // SAFETY: sync_file_range takes a descriptor this `File` keeps open for the whole
+        // call, and integers; it reads and writes no memory of this process.
+        let r = unsafe {
+            libc::sync_file_range(file.as_raw_fd(), offset as i64, STEP_BYTES as i64, flags)
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        offset += STEP_BYTES;
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn write_back_in_steps(_file: &File) -> std::io::Result<()> {
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::temp_dir;
+    use std::io::Write;
+
+    /// Files not made yet hold nothing to sync; a file of several steps and a ragged end
+    /// is written back whole, unchanged.
+    #[test]
+    fn both_files_sync_in_steps_and_keep_their_bytes() {
+        let dir = temp_dir("table-files");
+        let db = dir.join("pigeon.db");
+        let mut files = TableFiles::new(&db);
+        files.sync().unwrap();
+
+        let bytes: Vec<u8> = (0..(3 * STEP_BYTES + 123))
+            .map(|i| (i % 251) as u8)
+            .collect();
+        for path in [&db, &wal_path(&db)] {
+            std::fs::File::create(path)
+                .unwrap()
+                .write_all(&bytes)
+                .unwrap();
+        }
+        files.sync().unwrap();
+        files.sync_file(TableFile::Wal).unwrap();
+        assert_eq!(std::fs::read(&db).unwrap(), bytes);
+        assert_eq!(std::fs::read(wal_path(&db)).unwrap(), bytes);
+        assert!(files.open.iter().all(Option::is_some), "each kept open");
+    }
+}
