@@ -13,9 +13,10 @@ use pigeon_core::store::StoreError;
 use pigeon_proto::views::SendAck;
 use pigeon_proto::{ClientMsgId, MsgId, UserId};
 use rusqlite::Connection;
+use rusqlite::config::DbConfig;
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -42,6 +43,9 @@ const APPLY_STEP: Duration = Duration::from_millis(10);
 const CHECKPOINT_BEFORE_BEGIN: Duration = Duration::from_millis(100);
 /// The same after a transaction a reader cut short.
 const CHECKPOINT_AFTER_A_READ: Duration = Duration::from_secs(1);
+/// The longest the applier goes without a checkpoint while batches come, readers waiting
+/// or not.
+const CHECKPOINT_AT_LEAST: Duration = Duration::from_secs(2);
 /// How long a commit waits for room in the backlog, and a reader for the tables to catch
 /// up, before it answers that the store is unavailable.
 pub const WAIT_LIMIT: Duration = Duration::from_secs(5);
@@ -82,7 +86,7 @@ pub struct StoreWrites {
     /// With durability `fsync`: the tables' transactions are not fsynced when they commit
     /// (`synchronous=NORMAL`), so a journal segment is deleted only once the tables hold its
     /// batches durably ([`StoreWrites::tables_durable`], told by the checkpointer after it
-    /// synced the WAL), not as soon as they are applied.
+    /// synced the tables' files), not as soon as they are applied.
     keep_until_durable: bool,
     /// The newest lsn the tables hold durably (only kept with `keep_until_durable`).
     durable: AtomicU64,
@@ -92,6 +96,9 @@ pub struct StoreWrites {
     /// their messages went: a duplicate check answers from here and from the tables as they
     /// are, instead of waiting for the applier's transaction (see [`StoreWrites::dedupe_pending`]).
     pending_keys: Mutex<HashMap<(u64, String), PendingKey>>,
+    /// A checkpoint's copy could not be made durable: the tables take no more writes
+    /// ([`StoreWrites::stop_tables`]).
+    stopped: AtomicBool,
 }
 
 /// Where an idempotency key's message went: msg id, conversation, seq, created at.
@@ -123,6 +130,7 @@ impl StoreWrites {
             durable: AtomicU64::new(applied),
             pending_keys: Mutex::new(HashMap::new()),
             max_backlog_bytes,
+            stopped: AtomicBool::new(false),
         })
     }
 
@@ -141,7 +149,8 @@ impl StoreWrites {
 
     /// `pigeon_tables_unsynced_batches`: batches the tables hold but not yet durably, whose
     /// journal segments must stay. It stays under a few hundred while the checkpointer
-    /// syncs every 100 ms; if syncing stops (a failing disk), it grows with every batch.
+    /// syncs every 100 ms; if its syncs fail (a failing disk), it grows with every batch
+    /// the tables take. (If a checkpoint's fail, the tables stop: `pigeon_tables_stopped`.)
     fn report_unsynced(&self) {
         if self.keep_until_durable {
             let unsynced = self
@@ -275,6 +284,7 @@ impl StoreWrites {
         let mut backlog = self.backlog.lock().expect("backlog lock");
         // One batch larger than the whole limit still goes, alone.
         while backlog.bytes > 0 && backlog.bytes + size > self.max_backlog_bytes {
+            self.check_not_stopped()?;
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(StoreError(
@@ -296,10 +306,13 @@ impl StoreWrites {
         if *self.applied.borrow() >= target {
             return Ok(());
         }
+        self.check_not_stopped()?;
         let mut rx = self.applied.subscribe();
         let _waiting = WaitingReader::new(self);
         let started = Instant::now();
-        match tokio::time::timeout(WAIT_LIMIT, rx.wait_for(|a| *a >= target)).await {
+        let wait = rx.wait_for(|a| *a >= target || self.stopped.load(Ordering::Acquire));
+        match tokio::time::timeout(WAIT_LIMIT, wait).await {
+            Ok(Ok(_)) if self.stopped.load(Ordering::Acquire) => Err(stopped_error()),
             Ok(Ok(_)) => {
                 // Only reads that found the tables behind: how long the applier kept them.
                 metrics::histogram!("pigeon_read_wait_seconds")
@@ -311,6 +324,32 @@ impl StoreWrites {
                 "the store is behind: the tables did not catch up with the journal".into(),
             )),
         }
+    }
+
+    /// Fails once the tables have stopped taking writes.
+    pub fn check_not_stopped(&self) -> Result<(), StoreError> {
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(stopped_error());
+        }
+        Ok(())
+    }
+
+    /// After a checkpoint whose copy may not be durable: SQLite counts the WAL as copied,
+    /// so a transaction would start it over, and the last connection to close would delete
+    /// it, with the database file's copy maybe never on the disk. The writer is told not
+    /// to checkpoint as it closes, nothing writes the tables again (the applier stops,
+    /// settings writes fail, reads and sends waiting for the tables fail at once), and the
+    /// WAL stays whole for the next open, whose recovery copies it again (what SQLite's
+    /// own checkpoint leaves after a failed sync).
+    fn stop_tables(&self, writer: &Connection) {
+        if let Err(e) = writer.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true) {
+            tracing::error!(error = %e, "could not keep the writer from checkpointing as it closes");
+        }
+        self.stopped.store(true, Ordering::Release);
+        metrics::gauge!("pigeon_tables_stopped").set(1.0);
+        self.applied.send_modify(|_| {});
+        let _backlog = self.backlog.lock().expect("backlog lock");
+        self.room.notify_all();
     }
 
     /// Asks the applier to finish what is queued and stop.
@@ -332,7 +371,8 @@ impl StoreWrites {
     /// again in a fresh transaction (one by one if the tables refuse one, which is set
     /// aside), retrying after any other failure (the batches are durable in the journal;
     /// they must reach the tables, and readers wait meanwhile), until closed with nothing
-    /// left.
+    /// left, or until a checkpoint's copy cannot be made durable (the tables stop, see
+    /// [`StoreWrites::stop_tables`]).
     pub fn run_applier(self: Arc<Self>) {
         let mut checkpointed = Instant::now();
         let mut last_cut_short = false;
@@ -341,7 +381,12 @@ impl StoreWrites {
         let mut files = {
             let conn = self.writer.lock().expect("writer lock");
             let path = conn.path().filter(|_| self.keep_until_durable);
-            path.map(|p| TableFiles::new(Path::new(p)))
+            path.map(|p| {
+                let mut files = TableFiles::new(Path::new(p));
+                // From now on, so that a write-back error of any later write is seen.
+                files.open_existing();
+                files
+            })
         };
         while let Some(oldest) = self.wait_for_batches() {
             let mut taken: Vec<(u64, Changes, usize)> = Vec::new();
@@ -354,23 +399,26 @@ impl StoreWrites {
                     } else {
                         CHECKPOINT_BEFORE_BEGIN
                     };
-                if due && self.readers_waiting.load(Ordering::Acquire) == 0 {
+                let overdue = checkpointed.elapsed() >= CHECKPOINT_AT_LEAST;
+                if (due && self.readers_waiting.load(Ordering::Acquire) == 0) || overdue {
                     // Under a steady load the next transaction begins right after the last
                     // commit; SQLite writes a transaction from the WAL's start again only
                     // if, when it began, every frame was copied. Without this the WAL grew to the 160 MB backstop
                     // and every write went to a new page of it (the server's maximum fell
                     // by 4 %). Never while a reader waits; after a transaction a reader cut
                     // short (its next read may come at once, and would wait for this
-                    // checkpoint's two fsyncs) at most once a second.
+                    // checkpoint's syncs) at most once a second; and at least every
+                    // CHECKPOINT_AT_LEAST, or readers always waiting would let the WAL grow
+                    // to the backstop, whose checkpoint runs inside a commit and syncs it
+                    // all at once.
                     let started = Instant::now();
                     if let Some(files) = files.as_mut() {
                         if let Err(e) = checkpoint_in_steps(&conn, files) {
-                            // The copy may not be durable: no transaction may start the WAL
-                            // over, so the tables take no more batches (what SQLite's own
-                            // checkpoint leaves after a failed sync: the WAL keeps them).
                             tracing::error!(error = %e, "the tables could not be made durable: \
-                                they take no more batches (sends fail once the backlog is full; \
-                                restart once the disk is sound: the journal is applied again at open)");
+                                they take no more writes, reads fail, and sends fail once the \
+                                journal's backlog is full (restart once the disk is sound: \
+                                the journal and the WAL are applied again at open)");
+                            self.stop_tables(&conn);
                             return;
                         }
                     } else if let Err(e) =
@@ -633,6 +681,13 @@ pub fn replay(
 }
 
 /// The last lsn the tables hold (0 for a store that never journaled).
+fn stopped_error() -> StoreError {
+    StoreError(
+        "the tables could not be made durable and take no more writes: restart once the disk is sound"
+            .into(),
+    )
+}
+
 pub fn applied_lsn(conn: &Connection) -> Result<u64, StoreError> {
     let value = crate::read::meta_get(conn, APPLIED_KEY).map_err(err)?;
     match value {
@@ -646,8 +701,10 @@ pub fn applied_lsn(conn: &Connection) -> Result<u64, StoreError> {
 /// Copies the WAL into the database file with the tables' writes reaching the disk a step
 /// at a time (see `table_files.rs`), in the order SQLite's own checkpoint syncs them: the
 /// WAL is made durable, SQLite copies it without syncing, then the database file is made
-/// durable. The caller holds the only writer throughout, so SQLite cannot start the WAL
-/// over (the next transaction would) before the copy is durable.
+/// durable. The caller holds the writer connection throughout (every write of the tables
+/// goes through it), so SQLite cannot start the WAL over (the next transaction would)
+/// before the copy is durable; if this fails, the caller stops the tables
+/// ([`StoreWrites::stop_tables`]).
 fn checkpoint_in_steps(conn: &Connection, files: &mut TableFiles) -> Result<(), StoreError> {
     files.sync_file(TableFile::Wal)?;
     conn.pragma_update(None, "synchronous", "OFF")
@@ -712,5 +769,7 @@ mod tests {
             .unwrap();
         assert_eq!(std::fs::metadata(&wal).unwrap().len(), before);
         assert_eq!(rows_in(&db), 301);
+        std::fs::remove_dir_all(dir).unwrap();
+        std::fs::remove_dir_all(alone.parent().unwrap()).unwrap();
     }
 }

@@ -257,12 +257,22 @@ impl SqliteStore {
     /// tried: it blocks the writer while it waits for readers, and the p99 of sends
     /// doubled.) The thread ends with the store.
     fn start_checkpointer(&self, fsync: bool) -> Result<(), StoreError> {
-        let conn = Connection::open(&self.inner.path).map_err(err)?;
-        conn.pragma_update(None, "busy_timeout", 5000)
-            .map_err(err)?;
-        conn.pragma_update(None, "synchronous", if fsync { "NORMAL" } else { "OFF" })
-            .map_err(err)?;
-        let mut files = fsync.then(|| TableFiles::new(&self.inner.path));
+        // With `fsync` no connection: one that checkpointed as it closed, last, could copy
+        // and sync nothing and delete a WAL whose copy a failed sync left in doubt.
+        enum Round {
+            Checkpoint(Connection),
+            Sync(TableFiles),
+        }
+        let mut round = if fsync {
+            Round::Sync(TableFiles::new(&self.inner.path))
+        } else {
+            let conn = Connection::open(&self.inner.path).map_err(err)?;
+            conn.pragma_update(None, "busy_timeout", 5000)
+                .map_err(err)?;
+            conn.pragma_update(None, "synchronous", "OFF")
+                .map_err(err)?;
+            Round::Checkpoint(conn)
+        };
         // Weak: the writer connection inside goes with the store, not a round later.
         let writes = Arc::downgrade(&self.inner.writes);
         let store = Arc::downgrade(&self.inner);
@@ -278,21 +288,21 @@ impl SqliteStore {
                         break;
                     };
                     let applied = writes.applied();
-                    let Some(tables) = files.as_mut() else {
-                        if let Err(e) =
-                            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-                        {
-                            tracing::warn!(error = %e, "wal checkpoint failed");
+                    let tables = match &mut round {
+                        Round::Checkpoint(conn) => {
+                            if let Err(e) =
+                                conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                            {
+                                tracing::warn!(error = %e, "wal checkpoint failed");
+                            }
+                            continue;
                         }
-                        continue;
+                        Round::Sync(tables) => tables,
                     };
                     if tables.failed {
                         continue;
                     }
-                    let t1 = std::time::Instant::now();
-                    let r = tables.sync();
-                    eprintln!("EV tsync {:?} {:?}", t1, t1.elapsed());
-                    match r {
+                    match tables.sync() {
                         Ok(()) => writes.tables_durable(applied),
                         Err(e) => {
                             // A write-back error is reported once: a later sync that
@@ -372,6 +382,7 @@ impl SqliteStore {
             // while someone waits.
             let _waiting = applier::WaitingReader::new(&this.inner.writes);
             let mut conn = this.inner.writes.writer.lock().expect("writer lock");
+            this.inner.writes.check_not_stopped()?;
             f(&mut conn).map_err(err)
         })
         .await
@@ -702,11 +713,11 @@ mod tests {
         }
     }
 
-    /// A checkpoint whose copy may not be durable leaves the WAL as it is: the tables take
-    /// no more batches (the journal still holds them), as SQLite's own checkpoint leaves
-    /// the WAL after a failed sync.
+    /// A checkpoint whose copy may not be durable (the database file's sync failed after
+    /// SQLite copied the WAL into it) stops the tables: no transaction may start the WAL
+    /// over and no connection may delete it as it closes, so the next open recovers it.
     #[tokio::test]
-    async fn the_tables_take_no_more_batches_once_a_checkpoint_cannot_be_made_durable() {
+    async fn a_checkpoint_that_cannot_be_made_durable_stops_the_tables_and_keeps_the_wal() {
         let dir = temp_dir("ckpt-fails");
         let db = dir.join("pigeon.db");
         let mut writer = Connection::open(&db).unwrap();
@@ -719,19 +730,16 @@ mod tests {
             std::thread::spawn(move || w.run_applier())
         };
         writes.commit(user_named(1, "a")).unwrap();
-        writes.caught_up().await.unwrap();
-        assert_eq!(writes.applied(), 1);
-        // The WAL can no longer be opened to be synced (SQLite keeps the descriptor it has).
-        let wal = table_files::wal_path(&db);
-        let moved = dir.join("wal-moved");
-        std::fs::rename(&wal, &moved).unwrap();
-        std::os::unix::fs::symlink(&wal, &wal).unwrap();
-        // The transaction a reader cut short puts the next checkpoint a second off.
-        std::thread::sleep(std::time::Duration::from_millis(1100));
+        // Not `caught_up`: a waiting reader would put the next checkpoint a second off.
+        while writes.applied() < 1 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        table_files::test_failures::fail_syncs_of(&db);
+        // Its transaction took a quarter second: the next begins with a checkpoint.
         writes.commit(user_named(2, "b")).unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while !applier.is_finished() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(10));
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(applier.is_finished(), "the applier stopped");
         assert_eq!(
@@ -739,11 +747,23 @@ mod tests {
             1,
             "the second batch stays in the journal only"
         );
-        std::fs::remove_file(&wal).unwrap();
-        std::fs::rename(&moved, &wal).unwrap();
-        writes.close();
+        let read = writes.caught_up().await.unwrap_err();
+        assert!(read.0.contains("take no more writes"), "{read:?}");
+
         applier.join().unwrap();
+        writes.close();
         writes.close_journal();
+        drop(writes);
+        let wal = table_files::wal_path(&db);
+        assert!(
+            std::fs::metadata(&wal).is_ok_and(|m| m.len() > 0),
+            "the writer closed without checkpointing the WAL away"
+        );
+        let users: i64 = Connection::open(&db)
+            .unwrap()
+            .query_row("SELECT count(*) FROM users", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(users, 1);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -6,9 +6,11 @@
 //! fdatasync issued meanwhile (each acknowledged send waits on one) queued behind it: the
 //! write-back throttle and the device's queue hold the lump, so sends answered in 4-13 ms
 //! instead of 0.3-1 ms for the tens of milliseconds it took. Written back in steps of
-//! [`STEP_BYTES`], each waited for before the next is started, the tables never hold more
-//! than one step in the disk's queue, and the sync that follows finds nothing left to write
-//! but the file's metadata.
+//! [`STEP_BYTES`], each waited for before the next is started, each of the two threads that
+//! sync the tables (the applier's checkpoints, the checkpointer) has at most one step in the
+//! disk's queue, and the sync that follows finds little left to write but the file's
+//! metadata. (The syncs SQLite still makes itself are rarer: at open and close, and the
+//! writer's automatic checkpoint, a backstop.)
 
 use pigeon_core::store::StoreError;
 use std::fs::File;
@@ -56,21 +58,63 @@ impl TableFiles {
         self.sync_file(TableFile::Wal)
     }
 
-    /// Makes everything `which` holds durable, written back a step at a time.
-    pub fn sync_file(&mut self, which: TableFile) -> Result<(), StoreError> {
+    /// Opens whichever of the files exist now, so that a write-back error of any later
+    /// write is reported to this holder (a file opened later is opened at its first sync).
+    pub fn open_existing(&mut self) {
+        for which in [TableFile::Database, TableFile::Wal] {
+            // An error here is met again, and reported, by the first sync.
+            let _ = self.file(which);
+        }
+    }
+
+    /// The open file `which`, opened now if need be; `None` if it is not made yet.
+    fn file(&mut self, which: TableFile) -> Result<Option<&File>, StoreError> {
         let (path, file) = (&self.paths[which as usize], &mut self.open[which as usize]);
         if file.is_none() {
             match File::open(path) {
                 Ok(f) => *file = Some(f),
                 // Not made yet: it holds nothing to sync.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
                 Err(e) => return Err(StoreError(format!("open {}: {e}", path.display()))),
             }
         }
-        let Some(f) = file else { return Ok(()) };
+        Ok(file.as_ref())
+    }
+
+    /// Makes everything `which` holds durable, written back a step at a time.
+    pub fn sync_file(&mut self, which: TableFile) -> Result<(), StoreError> {
+        let path = self.paths[which as usize].clone();
+        let Some(f) = self.file(which)? else {
+            return Ok(());
+        };
+        #[cfg(test)]
+        if test_failures::fails(&path) {
+            return Err(StoreError(format!(
+                "sync {}: injected failure",
+                path.display()
+            )));
+        }
         write_back_in_steps(f)
             .and_then(|()| f.sync_data())
             .map_err(|e| StoreError(format!("sync {}: {e}", path.display())))
+    }
+}
+
+/// Syncs made to fail, by path, for tests of what a failing disk leaves.
+#[cfg(test)]
+pub mod test_failures {
+    use std::path::{Path, PathBuf};
+    use std::sync::Mutex;
+
+    static FAILING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    /// Every later sync of `path` fails.
+    pub fn fail_syncs_of(path: &Path) {
+        FAILING.lock().unwrap().push(path.to_path_buf());
+    }
+
+    pub(super) fn fails(path: &Path) -> bool {
+        FAILING.lock().unwrap().iter().any(|p| p == path)
     }
 }
 
@@ -133,5 +177,6 @@ mod tests {
         assert_eq!(std::fs::read(&db).unwrap(), bytes);
         assert_eq!(std::fs::read(wal_path(&db)).unwrap(), bytes);
         assert!(files.open.iter().all(Option::is_some), "each kept open");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }
