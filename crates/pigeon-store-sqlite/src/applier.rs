@@ -97,7 +97,8 @@ pub struct StoreWrites {
     /// are, instead of waiting for the applier's transaction (see [`StoreWrites::dedupe_pending`]).
     pending_keys: Mutex<HashMap<(u64, String), PendingKey>>,
     /// A checkpoint's copy could not be made durable: the tables take no more writes
-    /// ([`StoreWrites::stop_tables`]).
+    /// ([`StoreWrites::stop_tables`]). Once `hurry` says a reader waits for the tables, what is
+    /// left of each file goes in one sync.
     stopped: AtomicBool,
 }
 
@@ -413,7 +414,8 @@ impl StoreWrites {
                     // all at once.
                     let started = Instant::now();
                     if let Some(files) = files.as_mut() {
-                        if let Err(e) = checkpoint_in_steps(&conn, files) {
+                        let reader_waits = || self.readers_waiting.load(Ordering::Acquire) > 0;
+                        if let Err(e) = checkpoint_in_steps(&conn, files, &reader_waits) {
                             tracing::error!(error = %e, "the tables could not be made durable: \
                                 they take no more writes, reads fail, and sends fail once the \
                                 journal's backlog is full (restart once the disk is sound: \
@@ -705,14 +707,18 @@ pub fn applied_lsn(conn: &Connection) -> Result<u64, StoreError> {
 /// goes through it), so SQLite cannot start the WAL over (the next transaction would)
 /// before the copy is durable; if this fails, the caller stops the tables
 /// ([`StoreWrites::stop_tables`]).
-fn checkpoint_in_steps(conn: &Connection, files: &mut TableFiles) -> Result<(), StoreError> {
-    files.sync_file(TableFile::Wal)?;
+fn checkpoint_in_steps(
+    conn: &Connection,
+    files: &mut TableFiles,
+    hurry: &dyn Fn() -> bool,
+) -> Result<(), StoreError> {
+    files.sync_file(TableFile::Wal, hurry)?;
     conn.pragma_update(None, "synchronous", "OFF")
         .map_err(err)?;
     let copied = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
     let restored = conn.pragma_update(None, "synchronous", "NORMAL");
     copied.and(restored).map_err(err)?;
-    files.sync_file(TableFile::Database)
+    files.sync_file(TableFile::Database, hurry)
 }
 
 #[cfg(test)]
@@ -753,7 +759,7 @@ mod tests {
         );
 
         let mut files = TableFiles::new(&db);
-        checkpoint_in_steps(&conn, &mut files).unwrap();
+        checkpoint_in_steps(&conn, &mut files, &|| false).unwrap();
 
         let synchronous: i64 = conn
             .query_row("PRAGMA synchronous", [], |r| r.get(0))

@@ -54,8 +54,8 @@ impl TableFiles {
 
     /// Makes everything both files hold durable.
     pub fn sync(&mut self) -> Result<(), StoreError> {
-        self.sync_file(TableFile::Database)?;
-        self.sync_file(TableFile::Wal)
+        self.sync_file(TableFile::Database, &|| false)?;
+        self.sync_file(TableFile::Wal, &|| false)
     }
 
     /// Opens whichever of the files exist now, so that a write-back error of any later
@@ -81,8 +81,14 @@ impl TableFiles {
         Ok(file.as_ref())
     }
 
-    /// Makes everything `which` holds durable, written back a step at a time.
-    pub fn sync_file(&mut self, which: TableFile) -> Result<(), StoreError> {
+    /// Makes everything `which` holds durable, written back a step at a time until `hurry`
+    /// says otherwise (someone waits for this sync: the rest goes in one, as SQLite's own
+    /// sync would have sent it).
+    pub fn sync_file(
+        &mut self,
+        which: TableFile,
+        hurry: &dyn Fn() -> bool,
+    ) -> Result<(), StoreError> {
         let path = self.paths[which as usize].clone();
         let Some(f) = self.file(which)? else {
             return Ok(());
@@ -94,7 +100,7 @@ impl TableFiles {
                 path.display()
             )));
         }
-        write_back_in_steps(f)
+        write_back_in_steps(f, hurry)
             .and_then(|()| f.sync_data())
             .map_err(|e| StoreError(format!("sync {}: {e}", path.display())))
     }
@@ -119,17 +125,18 @@ pub mod test_failures {
 }
 
 /// Starts the write-back of `file`'s dirty pages [`STEP_BYTES`] at a time and waits for each
-/// step before the next (Linux; elsewhere the sync after it writes them all at once).
+/// step before the next, until `hurry` (Linux; elsewhere the sync after it writes them all
+/// at once).
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
-fn write_back_in_steps(file: &File) -> std::io::Result<()> {
+fn write_back_in_steps(file: &File, hurry: &dyn Fn() -> bool) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let len = file.metadata()?.len();
     let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
         | libc::SYNC_FILE_RANGE_WRITE
         | libc::SYNC_FILE_RANGE_WAIT_AFTER;
     let mut offset = 0;
-    while offset < len {
+    while offset < len && !hurry() {
         // SAFETY: sync_file_range takes a descriptor this `File` keeps open for the whole
         // call, and integers; it reads and writes no memory of this process.
         let r = unsafe {
@@ -144,7 +151,7 @@ fn write_back_in_steps(file: &File) -> std::io::Result<()> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn write_back_in_steps(_file: &File) -> std::io::Result<()> {
+fn write_back_in_steps(_file: &File, _hurry: &dyn Fn() -> bool) -> std::io::Result<()> {
     Ok(())
 }
 
@@ -173,7 +180,7 @@ mod tests {
                 .unwrap();
         }
         files.sync().unwrap();
-        files.sync_file(TableFile::Wal).unwrap();
+        files.sync_file(TableFile::Wal, &|| true).unwrap();
         assert_eq!(std::fs::read(&db).unwrap(), bytes);
         assert_eq!(std::fs::read(wal_path(&db)).unwrap(), bytes);
         assert!(files.open.iter().all(Option::is_some), "each kept open");
