@@ -212,7 +212,8 @@ impl StoreWrites {
     }
 
     fn remember_keys(&self, changes: &Changes) {
-        let mut keys = changes
+        // Made before the lock is taken: the applier may be waiting for it.
+        let keys: Vec<_> = changes
             .messages
             .iter()
             .filter_map(|m| {
@@ -220,8 +221,8 @@ impl StoreWrites {
                 let at = (m.msg_id, m.conversation_id.clone(), m.seq, m.created_at);
                 Some(((m.sender.get(), cmid.clone()), at))
             })
-            .peekable();
-        if keys.peek().is_some() {
+            .collect();
+        if !keys.is_empty() {
             self.pending_keys
                 .lock()
                 .expect("pending keys lock")
@@ -229,19 +230,40 @@ impl StoreWrites {
         }
     }
 
+    /// Takes the keys of the batches the tables now hold out of the pending ones, a few
+    /// hundred per turn of the lock: the journal's thread takes it for every batch it
+    /// commits, and a transaction's ten thousand keys at once held it (and every send
+    /// behind that commit) for 5-10 ms, longer when this thread, which runs as batch work,
+    /// was preempted holding it. What is taken out is dropped after each turn.
     fn forget_keys(&self, applied: &[(u64, Changes, usize)]) {
-        let mut pending = self.pending_keys.lock().expect("pending keys lock");
-        if pending.is_empty() {
+        const TURN: usize = 256;
+        if self
+            .pending_keys
+            .lock()
+            .expect("pending keys lock")
+            .is_empty()
+        {
             return;
         }
-        for m in applied.iter().flat_map(|(_, c, _)| &c.messages) {
-            if let Some(cmid) = &m.client_msg_id {
-                pending.remove(&(m.sender.get(), cmid.clone()));
+        let keys: Vec<(u64, String)> = applied
+            .iter()
+            .flat_map(|(_, c, _)| &c.messages)
+            .filter_map(|m| Some((m.sender.get(), m.client_msg_id.clone()?)))
+            .collect();
+        let mut taken = Vec::with_capacity(TURN);
+        for turn in keys.chunks(TURN) {
+            let mut pending = self.pending_keys.lock().expect("pending keys lock");
+            taken.extend(turn.iter().filter_map(|k| pending.remove_entry(k)));
+            // A backlog's worth of keys leaves a large table behind: give it back once empty.
+            if pending.is_empty() && pending.capacity() > PENDING_KEYS_KEEP_CAPACITY {
+                *pending = HashMap::new();
             }
-        }
-        // A backlog's worth of keys leaves a large table behind: give it back once empty.
-        if pending.is_empty() && pending.capacity() > PENDING_KEYS_KEEP_CAPACITY {
-            *pending = HashMap::new();
+            let done = pending.is_empty();
+            drop(pending);
+            taken.clear();
+            if done {
+                break;
+            }
         }
     }
 

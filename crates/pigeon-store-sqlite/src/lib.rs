@@ -1209,13 +1209,18 @@ mod tests {
         let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
         let u = UserId::new(7).unwrap();
         let msg = MsgId::new(99).unwrap();
-        let changes = Changes {
-            messages: vec![Message {
-                msg_id: msg,
+        // Besides "k1", more keys than the applier forgets per turn of the lock.
+        let messages = (0..601u64)
+            .map(|i| Message {
+                msg_id: MsgId::new(99 + i).unwrap(),
                 conversation_id: "g42".into(),
-                seq: 3,
+                seq: 3 + i,
                 sender: u,
-                client_msg_id: Some("k1".into()),
+                client_msg_id: Some(if i == 0 {
+                    "k1".into()
+                } else {
+                    format!("more-{i}")
+                }),
                 kind: MessageKind::Text,
                 content: "hi".into(),
                 extra: serde_json::Value::Null,
@@ -1225,7 +1230,10 @@ mod tests {
                 version: 1,
                 created_at: 10,
                 edited_at: None,
-            }],
+            })
+            .collect();
+        let changes = Changes {
+            messages,
             ..Changes::default()
         };
         let key = (u, ClientMsgId::parse("k1").unwrap());
@@ -1249,7 +1257,7 @@ mod tests {
                 (msg, 3, "g42")
             );
             assert!(ack.duplicate);
-            assert_eq!(store.inner.writes.pending_key_count(), 1);
+            assert_eq!(store.inner.writes.pending_key_count(), 601);
             let never_sent = (u, ClientMsgId::parse("k2").unwrap());
             assert!(
                 answered(&store, asking(&never_sent))
