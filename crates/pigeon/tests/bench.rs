@@ -141,18 +141,20 @@ fn direct_with_a_warmup_and_a_trace() {
     let text = std::fs::read_to_string(&trace).expect("the trace is written");
     let _ = std::fs::remove_file(&trace);
     let mut lines = text.lines();
-    assert_eq!(lines.next(), Some("sent_ms,latency_ms"));
-    let rows: Vec<(f64, f64)> = lines
+    assert_eq!(lines.next(), Some("sent_ms,latency_ms,late_ms"));
+    let rows: Vec<(f64, f64, f64)> = lines
         .map(|l| {
-            let (s, lat) = l.split_once(',').expect("two fields");
-            (s.parse().unwrap(), lat.parse().unwrap())
+            let f: Vec<f64> = l.split(',').map(|x| x.parse().unwrap()).collect();
+            assert_eq!(f.len(), 3, "three fields: {l}");
+            (f[0], f[1], f[2])
         })
         .collect();
     assert_eq!(rows.len() as u64, delivered, "one line per delivery");
     assert!(rows.windows(2).all(|w| w[0].0 <= w[1].0), "in send order");
     assert!(
         rows.iter()
-            .all(|r| r.0 >= -1.0 && r.0 < 2_100.0 && r.1 >= 0.0)
+            .all(|r| r.0 >= -1.0 && r.0 < 2_100.0 && r.1 >= 0.0 && (0.0..=r.1).contains(&r.2)),
+        "a send is never later than its delivery"
     );
     let in_warmup = rows.iter().filter(|r| r.0 < 1_000.0).count() as u64;
     assert!(in_warmup > 0, "the warm-up is in the trace");

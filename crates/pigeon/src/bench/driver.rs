@@ -4,7 +4,7 @@
 
 use super::procfs::CpuMeter;
 use super::report::Checks;
-use super::{Res, content, now_us, sent_us_of};
+use super::{Res, content, late_us_of, now_us, sent_us_of};
 use futures_util::StreamExt;
 use pigeon_client::WsConn;
 use serde_json::{Value, json};
@@ -31,6 +31,13 @@ const PING_EVERY: Duration = Duration::from_secs(10);
 
 /// How late a fixed-rate send may leave the load tool before it counts in `late_sends`.
 pub const LATE_SEND: Duration = Duration::from_millis(5);
+
+/// Tokio's timer fires at the first millisecond tick at or after its deadline, so a
+/// connection that slept until a send's time sent it ~1.2 ms late at the median (the
+/// trace's `late_ms`), and every latency counted from the scheduled time carried that. It
+/// now wakes this much before, and makes a send due within it at once: early, and then
+/// counted from when it is made, so no latency is understated.
+const TIMER_SLACK: Duration = Duration::from_millis(1);
 
 /// Deliveries slower than this are counted live ([`Counters::slow`]): the progress line
 /// shows, second by second, when a run's tail happens (20 ms: the floor issue 5 sets for the
@@ -97,10 +104,11 @@ pub struct LatencyArgs {
     /// caches, its allocator's first pages) are not its steady state
     #[arg(long, default_value_t = 0.0)]
     pub warmup: f64,
-    /// Write every delivery's send time (the scheduled one with --rate) and send→delivered
-    /// latency to this CSV file (`sent_ms,latency_ms`, sent_ms counted from the start of
-    /// sending, in send order; warm-up included), to see when a run's tail happens. It
-    /// holds 16 bytes a delivery in memory until the end of the run
+    /// Write every delivery's send time (the scheduled one with --rate), send→delivered
+    /// latency and how late the tool itself sent it to this CSV file
+    /// (`sent_ms,latency_ms,late_ms`, sent_ms counted from the start of sending, in send
+    /// order; warm-up included), to see when a run's tail happens and how much of it the
+    /// tool spent. It holds 16 bytes a delivery in memory until the end of the run
     #[arg(long)]
     pub trace: Option<PathBuf>,
 }
@@ -233,7 +241,7 @@ pub struct ConnReport {
     /// Per conversation: (seq, send→delivered µs) of bench messages from other senders.
     pub completion: HashMap<String, Vec<(u64, u32)>>,
     /// With `--trace`: (scheduled send µs, send→delivered µs) of every delivery.
-    pub trace: Vec<(u64, u32)>,
+    pub trace: Vec<(u64, u32, u32)>,
 }
 
 /// A send awaiting its answer: what it takes to write it again (its `client_msg_id` and
@@ -765,14 +773,15 @@ impl Driver {
                     let at = *self
                         .next_at
                         .get_or_insert_with(|| now + every.mul_f64(start_phase(self.user)));
-                    if at > now {
+                    if at > now + TIMER_SLACK {
                         return Ok(());
                     }
                     self.next_at = Some(at + every);
-                    if now.duration_since(at) > LATE_SEND {
+                    if now.saturating_duration_since(at) > LATE_SEND {
                         self.sh.counters.late_sends.fetch_add(1, Relaxed);
                     }
-                    now_us().saturating_sub(now.duration_since(at).as_micros() as u64)
+                    // Late: from the scheduled time. Early (within the slack): from now.
+                    now_us().saturating_sub(now.saturating_duration_since(at).as_micros() as u64)
                 }
             };
             let req = self.next_req;
@@ -803,7 +812,7 @@ impl Driver {
             && let Some(next) = self.next_at
             && self.inflight.len() < plan.window
         {
-            at = at.min(next);
+            at = at.min(next.checked_sub(TIMER_SLACK).unwrap_or(next));
         }
         if let Some(r) = self.retries.iter().map(|(t, _)| *t).min() {
             at = at.min(r);
@@ -906,7 +915,8 @@ impl Driver {
         k.delivered.fetch_add(1, Relaxed);
         let lat = now.saturating_sub(sent_us).min(u64::from(u32::MAX)) as u32;
         if self.sh.trace.load(Relaxed) {
-            self.r.trace.push((sent_us, lat));
+            let late = late_us_of(&m.content).unwrap_or(0).min(u64::from(u32::MAX)) as u32;
+            self.r.trace.push((sent_us, lat, late));
         }
         if self.sh.in_warmup(sent_us) {
             return;
@@ -1097,7 +1107,7 @@ pub struct Outcome {
     pub completion: Vec<u32>,
     pub acked: u64,
     /// Every connection's `ConnReport::trace`, merged.
-    pub trace: Vec<(u64, u32)>,
+    pub trace: Vec<(u64, u32, u32)>,
 }
 
 /// Merges the reports and counts lost, duplicated and out-of-order pushes, and errors.
@@ -1185,15 +1195,22 @@ pub fn evaluate(reports: Vec<ConnReport>) -> Outcome {
 /// Writes `trace` as CSV in send order, times in ms from `start_us` (see [`LatencyArgs`]).
 fn write_trace(
     file: std::fs::File,
-    trace: &mut [(u64, u32)],
+    trace: &mut [(u64, u32, u32)],
     start_us: u64,
 ) -> std::io::Result<()> {
     trace.sort_unstable();
     let mut f = std::io::BufWriter::new(file);
-    writeln!(f, "sent_ms,latency_ms")?;
-    for (sent_us, lat) in trace.iter() {
+    writeln!(f, "sent_ms,latency_ms,late_ms")?;
+    for (sent_us, lat, late) in trace.iter() {
         let sent = *sent_us as i64 - start_us as i64;
-        writeln!(f, "{:.3},{:.3}", sent as f64 / 1e3, f64::from(*lat) / 1e3)?;
+        let ms = |us: u32| f64::from(us) / 1e3;
+        writeln!(
+            f,
+            "{:.3},{:.3},{:.3}",
+            sent as f64 / 1e3,
+            ms(*lat),
+            ms(*late)
+        )?;
     }
     f.flush()
 }

@@ -151,16 +151,26 @@ pub async fn make_users(admin: &Http, ids: &[u64]) -> Res<Vec<String>> {
 /// The content of a bench message: the send time (microseconds since the bench epoch) padded
 /// to `size` bytes, so that any receiver can tell the send→delivered latency.
 pub fn content(sent_us: u64, size: usize) -> String {
-    let mut s = format!("pb{sent_us:020}");
+    let late_us = now_us().saturating_sub(sent_us).min(LATE_US_MAX);
+    let mut s = format!("pb{sent_us:020}{late_us:010}");
     while s.len() < size {
         s.push('x');
     }
     s
 }
 
+/// The most lateness a content carries (ten digits of µs).
+const LATE_US_MAX: u64 = 9_999_999_999;
+
 /// The send time carried by a bench message's content.
 pub fn sent_us_of(content: &str) -> Option<u64> {
     content.strip_prefix("pb")?.get(..20)?.parse().ok()
+}
+
+/// How late after its send time the tool made a bench message's content (it is sent at
+/// once): the part of its latency spent in the load tool before the server saw it.
+pub fn late_us_of(content: &str) -> Option<u64> {
+    content.strip_prefix("pb")?.get(20..30)?.parse().ok()
 }
 
 /// Microseconds since the bench epoch (the first call).
@@ -205,5 +215,14 @@ mod tests {
         assert_eq!(sent_us_of(&c), Some(123_456));
         assert_eq!(sent_us_of(&content(7, 0)), Some(7));
         assert_eq!(sent_us_of("hello"), None);
+        // Made now for a send due a second from now: not late. Due long ago: late by all of it.
+        let ahead = now_us() + 1_000_000;
+        assert_eq!(late_us_of(&content(ahead, 0)), Some(0));
+        let late = late_us_of(&content(0, 0)).unwrap();
+        assert!(
+            late >= now_us().saturating_sub(1_000_000) && late <= now_us(),
+            "{late}"
+        );
+        assert_eq!(late_us_of("pb00000000000000000007"), None);
     }
 }
