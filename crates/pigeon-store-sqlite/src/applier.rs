@@ -97,8 +97,7 @@ pub struct StoreWrites {
     /// are, instead of waiting for the applier's transaction (see [`StoreWrites::dedupe_pending`]).
     pending_keys: Mutex<HashMap<(u64, String), PendingKey>>,
     /// A checkpoint's copy could not be made durable: the tables take no more writes
-    /// ([`StoreWrites::stop_tables`]). Once `hurry` says a reader waits for the tables, what is
-    /// left of each file goes in one sync.
+    /// ([`StoreWrites::stop_tables`]).
     stopped: AtomicBool,
 }
 
@@ -254,12 +253,15 @@ impl StoreWrites {
         for turn in keys.chunks(TURN) {
             let mut pending = self.pending_keys.lock().expect("pending keys lock");
             taken.extend(turn.iter().filter_map(|k| pending.remove_entry(k)));
-            // A backlog's worth of keys leaves a large table behind: give it back once empty.
+            // A backlog's worth of keys leaves a large table behind: give it back once empty
+            // (freed after the lock, with what was taken).
+            let mut large = None;
             if pending.is_empty() && pending.capacity() > PENDING_KEYS_KEEP_CAPACITY {
-                *pending = HashMap::new();
+                large = Some(std::mem::take(&mut *pending));
             }
             let done = pending.is_empty();
             drop(pending);
+            drop(large);
             taken.clear();
             if done {
                 break;
@@ -436,8 +438,10 @@ impl StoreWrites {
                     // all at once.
                     let started = Instant::now();
                     if let Some(files) = files.as_mut() {
-                        let reader_waits = || self.readers_waiting.load(Ordering::Acquire) > 0;
-                        if let Err(e) = checkpoint_in_steps(&conn, files, &reader_waits) {
+                        // A reader waiting hurries it, but not an overdue one: readers always
+                        // waiting would have up to CHECKPOINT_AT_LEAST of pages go in one sync.
+                        let hurry = || !overdue && self.readers_waiting.load(Ordering::Acquire) > 0;
+                        if let Err(e) = checkpoint_in_steps(&conn, files, &hurry) {
                             tracing::error!(error = %e, "the tables could not be made durable: \
                                 they take no more writes, reads fail, and sends fail once the \
                                 journal's backlog is full (restart once the disk is sound: \
@@ -728,7 +732,8 @@ pub fn applied_lsn(conn: &Connection) -> Result<u64, StoreError> {
 /// durable. The caller holds the writer connection throughout (every write of the tables
 /// goes through it), so SQLite cannot start the WAL over (the next transaction would)
 /// before the copy is durable; if this fails, the caller stops the tables
-/// ([`StoreWrites::stop_tables`]).
+/// ([`StoreWrites::stop_tables`]). Once `hurry` says so (a reader waits for the tables),
+/// what is left of each file goes in one sync.
 fn checkpoint_in_steps(
     conn: &Connection,
     files: &mut TableFiles,

@@ -25,7 +25,7 @@ pub struct Args {
     /// Sends awaiting their send_ack while filling the inbox
     #[arg(long, default_value_t = 64)]
     pub window: usize,
-    /// Bytes of content per message
+    /// Bytes of content per message (32 at the least: the send time and the tool's lateness)
     #[arg(long, default_value_t = 32)]
     pub size: usize,
 }

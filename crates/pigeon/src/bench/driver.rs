@@ -75,7 +75,7 @@ pub struct Shared {
     pub phase_split_us: AtomicU64,
     /// Messages scheduled before this time (µs) count in no latency figure (the warm-up).
     pub record_from_us: AtomicU64,
-    /// Every delivery's (scheduled send µs, latency µs) is kept for `--trace`.
+    /// Every delivery's (send µs, latency µs, the tool's lateness µs) is kept for `--trace`.
     pub trace: AtomicBool,
 }
 
@@ -104,11 +104,12 @@ pub struct LatencyArgs {
     /// caches, its allocator's first pages) are not its steady state
     #[arg(long, default_value_t = 0.0)]
     pub warmup: f64,
-    /// Write every delivery's send time (the scheduled one with --rate), send→delivered
+    /// Write every delivery's send time (with --rate the scheduled one, or the actual one
+    /// for a send made up to 1 ms early), send→delivered
     /// latency and how late the tool itself sent it to this CSV file
     /// (`sent_ms,latency_ms,late_ms`, sent_ms counted from the start of sending, in send
-    /// order; warm-up included), to see when a run's tail happens and how much of it the
-    /// tool spent. It holds 16 bytes a delivery in memory until the end of the run
+    /// order; warm-up included; a resend's lateness counts from its first schedule), to see
+    /// when a run's tail happens and how much of it the tool spent. It holds 16 bytes a delivery in memory until the end of the run
     #[arg(long)]
     pub trace: Option<PathBuf>,
 }
@@ -240,7 +241,8 @@ pub struct ConnReport {
     pub delivery_lat: [Vec<u32>; 4],
     /// Per conversation: (seq, send→delivered µs) of bench messages from other senders.
     pub completion: HashMap<String, Vec<(u64, u32)>>,
-    /// With `--trace`: (scheduled send µs, send→delivered µs) of every delivery.
+    /// With `--trace`: (send µs, send→delivered µs, the tool's lateness µs) of every delivery;
+    /// the send time is the scheduled one, or the actual one for a send made early.
     pub trace: Vec<(u64, u32, u32)>,
 }
 
@@ -762,26 +764,28 @@ impl Driver {
             {
                 return Ok(());
             }
-            // Rate mode: the latency counts from the scheduled time, so that a slow server
-            // cannot hide its delay by slowing the sender down.
+            // Rate mode: a late send's latency counts from its scheduled time, so that a slow
+            // server cannot hide its delay by slowing the sender down; one made early
+            // (within TIMER_SLACK) counts from when it is made.
             let sent_us = match plan.interval {
                 None => now_us(),
                 Some(every) => {
+                    // Read again for every send: the sends before it in this loop took time.
+                    let (t, t_us) = (Instant::now(), now_us());
                     // Connections start spread over one interval, not all at once: a
                     // fixed total rate then arrives evenly, as many independent users
                     // do, instead of as one burst of every connection per interval.
                     let at = *self
                         .next_at
                         .get_or_insert_with(|| now + every.mul_f64(start_phase(self.user)));
-                    if at > now + TIMER_SLACK {
+                    if at > t + TIMER_SLACK {
                         return Ok(());
                     }
                     self.next_at = Some(at + every);
-                    if now.saturating_duration_since(at) > LATE_SEND {
+                    if t.saturating_duration_since(at) > LATE_SEND {
                         self.sh.counters.late_sends.fetch_add(1, Relaxed);
                     }
-                    // Late: from the scheduled time. Early (within the slack): from now.
-                    now_us().saturating_sub(now.saturating_duration_since(at).as_micros() as u64)
+                    t_us.saturating_sub(t.saturating_duration_since(at).as_micros() as u64)
                 }
             };
             let req = self.next_req;

@@ -38,7 +38,7 @@ pub struct Args {
     /// Seconds of sending
     #[arg(long, default_value_t = 10.0)]
     pub duration: f64,
-    /// Bytes of content per message
+    /// Bytes of content per message (32 at the least: the send time and the tool's lateness)
     #[arg(long, default_value_t = 32)]
     pub size: usize,
 }

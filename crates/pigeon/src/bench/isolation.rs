@@ -40,7 +40,7 @@ pub struct Args {
     /// Seconds of each phase
     #[arg(long, default_value_t = 5.0)]
     pub duration: f64,
-    /// Bytes of content per message
+    /// Bytes of content per message (32 at the least: the send time and the tool's lateness)
     #[arg(long, default_value_t = 32)]
     pub size: usize,
 }

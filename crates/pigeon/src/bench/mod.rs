@@ -148,8 +148,10 @@ pub async fn make_users(admin: &Http, ids: &[u64]) -> Res<Vec<String>> {
     results.into_iter().collect()
 }
 
-/// The content of a bench message: the send time (microseconds since the bench epoch) padded
-/// to `size` bytes, so that any receiver can tell the send→delivered latency.
+/// The content of a bench message: the send time (microseconds since the bench epoch) and how
+/// late the tool makes it (µs past the send time, 0 if early), padded to `size` bytes, so
+/// that any receiver can tell the send→delivered latency and the tool's part of it. 32 bytes
+/// at the least.
 pub fn content(sent_us: u64, size: usize) -> String {
     let late_us = now_us().saturating_sub(sent_us).min(LATE_US_MAX);
     let mut s = format!("pb{sent_us:020}{late_us:010}");
