@@ -327,11 +327,13 @@ impl StoreWrites {
 
     /// Waits until the tables hold every batch acknowledged before this call.
     pub async fn caught_up(&self) -> Result<(), StoreError> {
+        // Even when the tables hold everything: a server whose tables stopped answers that it
+        // is not ready (`/readyz` reads through here).
+        self.check_not_stopped()?;
         let target = self.logged.load(Ordering::Acquire);
         if *self.applied.borrow() >= target {
             return Ok(());
         }
-        self.check_not_stopped()?;
         let mut rx = self.applied.subscribe();
         let _waiting = WaitingReader::new(self);
         let started = Instant::now();
