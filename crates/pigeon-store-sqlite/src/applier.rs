@@ -430,9 +430,9 @@ impl StoreWrites {
                 if (due && self.readers_waiting.load(Ordering::Acquire) == 0) || overdue {
                     // Under a steady load the next transaction begins right after the last
                     // commit; SQLite writes a transaction from the WAL's start again only
-                    // if, when it began, every frame was copied. Without this the WAL grew to the 160 MB backstop
-                    // and every write went to a new page of it (the server's maximum fell
-                    // by 4 %). Never while a reader waits; after a transaction a reader cut
+                    // if, when it began, every frame was copied. Without this the WAL grew
+                    // to the 160 MB backstop and every write went to a new page of it (the
+                    // server's maximum fell by 4 %). Never while a reader waits; after a transaction a reader cut
                     // short (its next read may come at once, and would wait for this
                     // checkpoint's syncs) at most once a second; and at least every
                     // CHECKPOINT_AT_LEAST, or readers always waiting would let the WAL grow
