@@ -432,9 +432,10 @@ impl StoreWrites {
                     // commit; SQLite writes a transaction from the WAL's start again only
                     // if, when it began, every frame was copied. Without this the WAL grew
                     // to the 160 MB backstop and every write went to a new page of it (the
-                    // server's maximum fell by 4 %). Never while a reader waits; after a transaction a reader cut
-                    // short (its next read may come at once, and would wait for this
-                    // checkpoint's syncs) at most once a second; and at least every
+                    // server's maximum fell by 4 %). Never while a reader waits; after a
+                    // transaction a reader cut short (its next read may come at once, and
+                    // would wait for this checkpoint's syncs) at most once a second; and at
+                    // least every
                     // CHECKPOINT_AT_LEAST, or readers always waiting would let the WAL grow
                     // to the backstop, whose checkpoint runs inside a commit and syncs it
                     // all at once.
@@ -710,7 +711,6 @@ pub fn replay(
     Ok(count)
 }
 
-/// The last lsn the tables hold (0 for a store that never journaled).
 fn stopped_error() -> StoreError {
     StoreError(
         "the tables could not be made durable and take no more writes: restart once the disk is sound"
@@ -718,6 +718,7 @@ fn stopped_error() -> StoreError {
     )
 }
 
+/// The last lsn the tables hold (0 for a store that never journaled).
 pub fn applied_lsn(conn: &Connection) -> Result<u64, StoreError> {
     let value = crate::read::meta_get(conn, APPLIED_KEY).map_err(err)?;
     match value {
@@ -760,6 +761,36 @@ mod tests {
             .unwrap()
             .query_row("SELECT count(*) FROM t", [], |r| r.get(0))
             .unwrap()
+    }
+
+    /// Nothing is copied into the database file before the WAL is durable: a WAL that
+    /// cannot be synced fails the checkpoint first, and the writer syncs as before.
+    #[test]
+    fn a_checkpoint_copies_nothing_before_the_wal_is_synced() {
+        let dir = temp_dir("ckpt-wal-fails");
+        let db = dir.join("pigeon.db");
+        let conn = Connection::open(&db).unwrap();
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        conn.pragma_update(None, "synchronous", "NORMAL").unwrap();
+        conn.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+        conn.execute_batch("CREATE TABLE t (x BLOB); INSERT INTO t VALUES (zeroblob(4000));")
+            .unwrap();
+        crate::table_files::test_failures::fail_syncs_of(&crate::table_files::wal_path(&db));
+        let mut files = TableFiles::new(&db);
+        assert!(checkpoint_in_steps(&conn, &mut files, &|| false).is_err());
+        let synchronous: i64 = conn
+            .query_row("PRAGMA synchronous", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(synchronous, 1);
+        let alone = temp_dir("ckpt-wal-fails-copy").join("pigeon.db");
+        std::fs::copy(&db, &alone).unwrap();
+        let in_file_alone =
+            Connection::open(&alone)
+                .unwrap()
+                .query_row("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0));
+        assert!(in_file_alone.is_err(), "the table is still only in the WAL");
+        std::fs::remove_dir_all(dir).unwrap();
+        std::fs::remove_dir_all(alone.parent().unwrap()).unwrap();
     }
 
     /// The copy reaches the database file itself, and the writer's own syncing is as it

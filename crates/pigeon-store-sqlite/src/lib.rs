@@ -38,10 +38,11 @@ pub enum Durability {
     /// fdatasync the journal at every commit: an acknowledged message survives power loss.
     /// The tables' transactions are not synced as they commit (`synchronous=NORMAL`); the
     /// checkpointer syncs the tables' files every 100 ms, a step at a time, and a journal
-    /// segment is deleted only once the tables hold its batches durably. (Synced at every commit, four or more times a
-    /// second under load, each of those fsyncs wrote megabytes at once, and every journal
-    /// fsync behind it on the one disk waited: at 15 000 sends/s the p99 was 19-52 ms in
-    /// six runs, 15-22 ms without those fsyncs; BENCHMARKS.md, sixth session.)
+    /// segment is deleted only once the tables hold its batches durably. (Synced at every
+    /// commit, four or more times a second under load, each of those fsyncs wrote megabytes
+    /// at once, and every journal fsync behind it on the one disk waited: at 15 000 sends/s
+    /// the p99 was 19-52 ms in six runs, 15-22 ms without those fsyncs; BENCHMARKS.md,
+    /// sixth session.)
     Fsync,
     /// Let the OS flush the journal and the tables (`synchronous=OFF`): survives a process
     /// crash, not a power loss.

@@ -184,6 +184,25 @@ mod tests {
         assert_eq!(std::fs::read(&db).unwrap(), bytes);
         assert_eq!(std::fs::read(wal_path(&db)).unwrap(), bytes);
         assert!(files.open.iter().all(Option::is_some), "each kept open");
+        // One step per STEP_BYTES (four here, the last ragged), asking before each whether
+        // to hurry; hurried (at the third ask), it stops stepping at once.
+        #[cfg(target_os = "linux")]
+        {
+            let asked = std::cell::Cell::new(0);
+            let count = || {
+                asked.set(asked.get() + 1);
+                false
+            };
+            files.sync_file(TableFile::Database, &count).unwrap();
+            assert_eq!(asked.get(), 4);
+            asked.set(0);
+            let hurried = || {
+                asked.set(asked.get() + 1);
+                asked.get() > 2
+            };
+            files.sync_file(TableFile::Database, &hurried).unwrap();
+            assert_eq!(asked.get(), 3);
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
