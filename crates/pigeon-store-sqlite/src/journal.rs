@@ -7,31 +7,19 @@
 //!
 //! Files: `journal/<first lsn, 20 digits>.journal`, each a segment starting with [`MAGIC`]
 //! then records `[payload length u32][crc32 of lsn and payload u32][lsn u64][payload]`
-//! (little-endian), lsns consecutive across segments, and after the last record zeros, if
-//! the segment was laid down ahead as a spare (`spare.rs`: a record then overwrites zeros
-//! and its sync writes no metadata). A segment is deleted once every record in it is applied
-//! to SQLite durably. On open, a torn record at the end of the newest segment (a crash
-//! mid-append: it was never acknowledged) is cut off; damage anywhere else refuses to start,
-//! since acknowledged batches would be lost.
+//! (little-endian), lsns consecutive across segments. A segment is deleted once every record
+//! in it is applied to SQLite durably. On open, a torn record at the end of the newest
+//! segment (a crash mid-append: it was never acknowledged) is cut off; damage anywhere else
+//! refuses to start, since acknowledged batches would be lost.
 
-mod spare;
-
-use spare::Spares;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"PIGEONJ1";
 const HEADER: usize = 16;
 /// A new segment is started once the newest holds this much.
 const SEGMENT_BYTES: u64 = 64 << 20;
-/// A spare segment's length. (Tests lay down small ones: every store a test opens with
-/// `fsync` would otherwise write 64 MiB of zeros.)
-const SPARE_BYTES: u64 = if cfg!(test) { 64 << 10 } else { SEGMENT_BYTES };
-/// A spare is asked for once the newest segment holds this much: a store that journals
-/// less (most tests, a quiet server's first minutes) never lays one down.
-const SPARE_AFTER: u64 = if cfg!(test) { 4 << 10 } else { 1 << 20 };
 
 /// One record read back at open: its lsn and payload.
 pub type Record = (u64, Vec<u8>);
@@ -42,14 +30,7 @@ pub struct Journal {
     /// Oldest first; the last is the one appended to.
     segments: Vec<Segment>,
     file: File,
-    /// Where the next record goes: the end of the newest segment's last whole record.
     tail_len: u64,
-    /// The newest segment's length when it was opened or laid down: below it, a record
-    /// overwrites zeros; past it, the file grows.
-    laid_to: u64,
-    /// Lays down the next segment ahead of time (with `sync` only: without a data sync
-    /// there is no metadata write to spare).
-    spares: Option<Spares>,
     next_lsn: u64,
     /// An append failed and the file could not be cut back to its last whole record: any
     /// further record would follow garbage and be lost at the next open, so none is taken.
@@ -154,58 +135,15 @@ fn checksum(lsn: u64, payload: &[u8]) -> u32 {
 
 /// What stops a segment from reading to its end.
 enum Problem {
-    /// A crash during the last append, which was never acknowledged: the last record runs
-    /// past the end of the file, or is not whole, and no whole record follows it.
+    /// The last record runs past the end of the file, or its checksum fails and nothing
+    /// follows it: a crash during its append, so it was never acknowledged.
     Torn(String),
     /// Anything else: acknowledged records may be unreadable.
     Damaged(String),
 }
 
-impl Problem {
-    /// What is wrong at byte `at`, where a record of lsn `expect_lsn` was due. One record at
-    /// a time is written and synced before the next is, so a crash can only have torn the
-    /// record being written; every byte after it was never written (zeros laid down ahead, or
-    /// past the end of the file). A whole record of that lsn or later found anywhere after
-    /// `at` was written after the bad one, so was acknowledged after a record that is lost:
-    /// damage, not a tear.
-    fn at(bytes: &[u8], at: usize, expect_lsn: u64, why: String) -> Problem {
-        match whole_record_after(bytes, at, expect_lsn) {
-            None => Problem::Torn(why),
-            Some((found, lsn)) => {
-                Problem::Damaged(format!("{why}, and record {lsn} follows at byte {found}"))
-            }
-        }
-    }
-}
-
-/// The first whole record (its checksum right) of lsn `expect_lsn` or later that starts
-/// after byte `at`, at any byte: where it is and its lsn. Only read when a segment does not
-/// read to its end, so its cost (a pass over the rest of the segment) does not matter.
-fn whole_record_after(bytes: &[u8], at: usize, expect_lsn: u64) -> Option<(usize, u64)> {
-    (at + 1..bytes.len().saturating_sub(HEADER - 1)).find_map(|i| {
-        let (len, crc, lsn) = header_at(&bytes[i..]);
-        let payload = bytes.get(i + HEADER..)?.get(..len)?;
-        (lsn >= expect_lsn && checksum(lsn, payload) == crc).then_some((i, lsn))
-    })
-}
-
-/// The length, checksum and lsn in the header at the start of `rest` (at least
-/// [`HEADER`] bytes).
-fn header_at(rest: &[u8]) -> (usize, u32, u64) {
-    let len = u32::from_le_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
-    let crc = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes"));
-    let lsn = u64::from_le_bytes(rest[8..16].try_into().expect("8 bytes"));
-    (len, crc, lsn)
-}
-
-fn all_zero(bytes: &[u8]) -> bool {
-    bytes.iter().all(|&b| b == 0)
-}
-
 /// Reads a segment's records in order. Returns them and the length of its whole-record
-/// prefix, and what stopped it before the end of the file, if anything. Zeros where a
-/// record was due end the records, if only zeros follow: a spare laid down ahead, or a file
-/// whose length reached the disk before its data did.
+/// prefix, and what stopped it before the end of the file, if anything.
 fn read_segment(bytes: &[u8], mut expect_lsn: u64) -> (Vec<Record>, usize, Option<Problem>) {
     let mut out = Vec::new();
     if bytes.len() < MAGIC.len() && MAGIC.starts_with(bytes) {
@@ -222,26 +160,30 @@ fn read_segment(bytes: &[u8], mut expect_lsn: u64) -> (Vec<Record>, usize, Optio
     let mut at = MAGIC.len();
     while at < bytes.len() {
         let rest = &bytes[at..];
-        if all_zero(&rest[..rest.len().min(HEADER)]) {
-            if all_zero(rest) {
-                return (out, at, None);
-            }
-            let why = format!("no record header at byte {at}, but bytes after it");
-            return (out, at, Some(Problem::at(bytes, at, expect_lsn, why)));
-        }
         if rest.len() < HEADER {
             let why = format!("short record header at byte {at}");
-            return (out, at, Some(Problem::at(bytes, at, expect_lsn, why)));
+            return (out, at, Some(Problem::Torn(why)));
         }
-        let (len, crc, lsn) = header_at(rest);
+        let len = u32::from_le_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes"));
+        let lsn = u64::from_le_bytes(rest[8..16].try_into().expect("8 bytes"));
         if rest.len() - HEADER < len {
             let why = format!("short record at byte {at}");
-            return (out, at, Some(Problem::at(bytes, at, expect_lsn, why)));
+            return (out, at, Some(Problem::Torn(why)));
         }
         let payload = &rest[HEADER..HEADER + len];
         if checksum(lsn, payload) != crc {
             let why = format!("checksum mismatch at byte {at}");
-            return (out, at, Some(Problem::at(bytes, at, expect_lsn, why)));
+            let last = rest.len() == HEADER + len;
+            return (
+                out,
+                at,
+                Some(if last {
+                    Problem::Torn(why)
+                } else {
+                    Problem::Damaged(why)
+                }),
+            );
         }
         if lsn != expect_lsn {
             let why = format!("lsn {lsn} at byte {at} where {expect_lsn} was due");
@@ -286,7 +228,6 @@ impl Journal {
         let mut pending = Vec::new();
         let mut next_lsn = applied + 1;
         let mut tail_len = 0;
-        let mut laid_to = 0;
         let count = segments.len();
         for (i, seg) in segments.iter().enumerate() {
             if i == 0 && seg.first_lsn > applied + 1 {
@@ -311,7 +252,6 @@ impl Journal {
             let bytes = fs::read(&seg.path)?;
             let (records, whole, problem) = read_segment(&bytes, seg.first_lsn);
             let last = i + 1 == count;
-            let problem_cut = problem.is_some();
             if let Some(problem) = problem {
                 let why = match problem {
                     Problem::Torn(why) if last => why,
@@ -326,38 +266,24 @@ impl Journal {
                     f.set_len(0)?;
                     (&f).write_all(MAGIC)?;
                 } else {
-                    // The zeros laid down past it go too: the segment grows from here.
                     f.set_len(whole as u64)?;
                 }
                 f.sync_all()?;
             }
             next_lsn = seg.first_lsn + records.len() as u64;
             tail_len = whole.max(MAGIC.len()) as u64;
-            laid_to = if problem_cut {
-                tail_len
-            } else {
-                bytes.len() as u64
-            };
             pending.extend(records.into_iter().filter(|(lsn, _)| *lsn > applied));
         }
 
-        // Any spare an earlier process left is removed before a segment could be made.
-        let spares = if sync {
-            Some(Spares::start(dir, SPARE_BYTES)?)
-        } else {
-            None
-        };
         let mut journal = match segments.last() {
             Some(last) if next_lsn > applied => {
-                let file = OpenOptions::new().write(true).open(&last.path)?;
+                let file = OpenOptions::new().append(true).open(&last.path)?;
                 Journal {
                     dir: dir.to_path_buf(),
                     sync,
                     segments,
                     file,
                     tail_len,
-                    laid_to,
-                    spares,
                     next_lsn,
                     poisoned: false,
                     _lock: lock,
@@ -379,8 +305,6 @@ impl Journal {
                     segments,
                     file,
                     tail_len: MAGIC.len() as u64,
-                    laid_to: MAGIC.len() as u64,
-                    spares,
                     next_lsn: first,
                     poisoned: false,
                     _lock: lock,
@@ -437,10 +361,11 @@ impl Journal {
         let payload = record.payload();
         let len = u32::try_from(payload.len())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "record too large"))?;
-        let growing = self.tail_len >= self.laid_to;
-        let spare_ready = self.spares.as_ref().is_some_and(Spares::ready);
-        if self.tail_len >= SEGMENT_BYTES || (growing && spare_ready) {
-            self.start_segment()?;
+        if self.tail_len >= SEGMENT_BYTES {
+            let (file, seg) = Self::create_segment(&self.dir, self.next_lsn, self.sync)?;
+            self.file = file;
+            self.segments.push(seg);
+            self.tail_len = MAGIC.len() as u64;
         }
         let lsn = self.next_lsn;
         let crc = checksum(lsn, payload);
@@ -448,7 +373,7 @@ impl Journal {
         buf[0..4].copy_from_slice(&len.to_le_bytes());
         buf[4..8].copy_from_slice(&crc.to_le_bytes());
         buf[8..HEADER].copy_from_slice(&lsn.to_le_bytes());
-        let written = self.file.write_all_at(buf, self.tail_len).and_then(|()| {
+        let written = self.file.write_all(buf).and_then(|()| {
             if self.sync {
                 self.file.sync_data()
             } else {
@@ -465,46 +390,11 @@ impl Journal {
             {
                 self.poisoned = true;
             }
-            // The zeros laid down past it went with the cut.
-            self.laid_to = self.tail_len;
             return Err(e);
         }
         self.tail_len += buf.len() as u64;
         self.next_lsn += 1;
-        if self.tail_len >= SPARE_AFTER
-            && let Some(spares) = &self.spares
-        {
-            spares.ask();
-        }
         Ok(lsn)
-    }
-
-    /// Starts the next segment: the spare laid down for it if one is ready, else a file
-    /// that grows as records come.
-    fn start_segment(&mut self) -> io::Result<()> {
-        let path = segment_path(&self.dir, self.next_lsn);
-        let spare = match &self.spares {
-            Some(spares) => spares.take_as(&path).unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "taking the spare journal segment failed; this one grows as it is written");
-                None
-            }),
-            None => None,
-        };
-        let (file, laid_to) = match spare {
-            Some(laid) => laid,
-            None => {
-                let (file, _) = Self::create_segment(&self.dir, self.next_lsn, self.sync)?;
-                (file, MAGIC.len() as u64)
-            }
-        };
-        self.file = file;
-        self.segments.push(Segment {
-            first_lsn: self.next_lsn,
-            path,
-        });
-        self.tail_len = MAGIC.len() as u64;
-        self.laid_to = laid_to;
-        Ok(())
     }
 
     /// Deletes the segments whose every record is at most `applied` (the newest is kept).
@@ -728,178 +618,6 @@ mod tests {
         assert_eq!(pending, vec![(2, b"two".to_vec())]);
         assert!(!segment_path(&dir, 1).exists());
         assert_eq!(j.append(b"three").unwrap(), 3);
-        fs::remove_dir_all(dir).unwrap();
-    }
-
-    /// Appends payloads of `size` bytes until the journal has moved to a laid-down spare
-    /// (at most `limit` appends); answers how many it appended.
-    fn append_until_on_a_spare(j: &mut Journal, size: usize, limit: usize) -> usize {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        for n in 1..=limit {
-            j.append(&vec![b'r'; size]).unwrap();
-            if j.segment_count() > 1 && j.laid_to == SPARE_BYTES {
-                return n;
-            }
-            if j.tail_len >= SPARE_AFTER {
-                // Give the spare's thread time to lay it down.
-                while !j.spares.as_ref().unwrap().ready() && std::time::Instant::now() < deadline {
-                    std::thread::sleep(std::time::Duration::from_millis(2));
-                }
-            }
-        }
-        panic!("no spare after {limit} appends");
-    }
-
-    #[test]
-    fn a_spare_is_laid_down_ahead_and_records_overwrite_its_zeros() {
-        let dir = temp_dir("spare");
-        let (mut j, _) = Journal::open(&dir, true, 0).unwrap();
-        assert!(
-            !dir.join(spare::SPARE_NAME).exists(),
-            "none before the segment holds SPARE_AFTER"
-        );
-        let moved_after = append_until_on_a_spare(&mut j, 1000, 100);
-        // The first segment grew to past SPARE_AFTER; the journal moved to the spare as
-        // soon as it was ready, before the first segment was full.
-        assert!(moved_after as u64 * 1016 >= SPARE_AFTER);
-        let second = segment_path(&dir, moved_after as u64);
-        assert_eq!(fs::metadata(&second).unwrap().len(), SPARE_BYTES);
-        // Records written into it leave its length alone: they overwrite zeros.
-        for _ in 0..10 {
-            j.append(&[b's'; 1000]).unwrap();
-        }
-        assert_eq!(fs::metadata(&second).unwrap().len(), SPARE_BYTES);
-        let total = moved_after + 10;
-        drop(j);
-        assert!(
-            !dir.join(spare::SPARE_NAME).exists(),
-            "a closing journal removes its spare"
-        );
-        // Every record comes back, in order, and the zeros after them are no damage.
-        let (mut j, pending) = Journal::open(&dir, true, 0).unwrap();
-        assert_eq!(pending.len(), total);
-        assert!(
-            pending
-                .iter()
-                .enumerate()
-                .all(|(i, (lsn, p))| *lsn == i as u64 + 1 && p.len() == 1000)
-        );
-        // After a reopen, appends go on where the records end, still inside the zeros.
-        assert_eq!(j.append(b"after").unwrap(), total as u64 + 1);
-        assert_eq!(fs::metadata(&second).unwrap().len(), SPARE_BYTES);
-        drop(j);
-        let (_, pending) = Journal::open(&dir, true, 0).unwrap();
-        assert_eq!(
-            pending.last().unwrap(),
-            &(total as u64 + 1, b"after".to_vec())
-        );
-        fs::remove_dir_all(dir).unwrap();
-    }
-
-    #[test]
-    fn a_full_segment_moves_to_the_spare_and_without_sync_none_is_laid_down() {
-        let dir = temp_dir("spare-full");
-        let (mut j, _) = Journal::open(&dir, true, 0).unwrap();
-        append_until_on_a_spare(&mut j, 1000, 100);
-        // The next spare is asked for once this segment holds SPARE_AFTER too.
-        assert!(!j.spares.as_ref().unwrap().ready());
-        for _ in 0..SPARE_AFTER / 1000 {
-            j.append(&[b'r'; 1000]).unwrap();
-        }
-        // A full spare segment moves to the next spare, once it is ready.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !j.spares.as_ref().unwrap().ready() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(2));
-        }
-        j.end_segment();
-        let lsn = j.append(b"next").unwrap();
-        assert_eq!(j.laid_to, SPARE_BYTES);
-        assert_eq!(
-            fs::metadata(segment_path(&dir, lsn)).unwrap().len(),
-            SPARE_BYTES
-        );
-        drop(j);
-
-        let quiet = temp_dir("spare-none");
-        let (mut j, _) = Journal::open(&quiet, false, 0).unwrap();
-        for _ in 0..20 {
-            j.append(&[b'q'; 1000]).unwrap();
-        }
-        assert!(j.spares.is_none());
-        assert!(!quiet.join(spare::SPARE_NAME).exists());
-        fs::remove_dir_all(dir).unwrap();
-        fs::remove_dir_all(quiet).unwrap();
-    }
-
-    #[test]
-    fn a_spare_left_behind_is_removed_at_open_and_never_read() {
-        let dir = temp_dir("spare-left");
-        let (mut j, _) = Journal::open(&dir, true, 0).unwrap();
-        j.append(b"one").unwrap();
-        drop(j);
-        // A crash while a spare was laid down leaves it half written.
-        fs::write(dir.join(spare::SPARE_NAME), b"PIGEONJ1 and not zeros").unwrap();
-        let (mut j, pending) = Journal::open(&dir, true, 0).unwrap();
-        assert_eq!(pending, vec![(1, b"one".to_vec())]);
-        assert!(!dir.join(spare::SPARE_NAME).exists());
-        assert_eq!(j.append(b"two").unwrap(), 2);
-        fs::remove_dir_all(dir).unwrap();
-    }
-
-    /// A segment laid down ahead, holding "one" and "two", with its records' end and the
-    /// bytes of the whole file.
-    fn laid_down_segment(dir: &Path) -> (PathBuf, usize, Vec<u8>) {
-        let (mut j, _) = Journal::open(dir, true, 0).unwrap();
-        j.append(b"one").unwrap();
-        j.append(b"two").unwrap();
-        let end = j.tail_len as usize;
-        drop(j);
-        let seg = segment_path(dir, 1);
-        let mut bytes = fs::read(&seg).unwrap();
-        bytes.resize(SPARE_BYTES as usize, 0);
-        fs::write(&seg, &bytes).unwrap();
-        (seg, end, bytes)
-    }
-
-    #[test]
-    fn a_record_torn_inside_zeros_laid_down_is_cut_off_and_one_followed_by_a_whole_record_refuses()
-    {
-        let dir = temp_dir("torn-zeros");
-        let (seg, end, bytes) = laid_down_segment(&dir);
-        let two_at = end - HEADER - 3;
-
-        // The second record's payload only half written, zeros after it: torn.
-        let mut torn = bytes.clone();
-        torn[two_at + HEADER + 1..end].fill(0);
-        fs::write(&seg, &torn).unwrap();
-        let (mut j, pending) = Journal::open(&dir, true, 0).unwrap();
-        assert_eq!(pending, vec![(1, b"one".to_vec())]);
-        assert_eq!(j.append(b"three").unwrap(), 2);
-        drop(j);
-        let (_, pending) = Journal::open(&dir, true, 0).unwrap();
-        assert_eq!(pending, vec![(1, b"one".to_vec()), (2, b"three".to_vec())]);
-
-        // The page holding the second record's header never reached the disk, a later one
-        // of it did: zeros where its header was due, bytes after. Torn too.
-        let mut out_of_order = bytes.clone();
-        out_of_order[two_at..two_at + HEADER].fill(0);
-        fs::write(&seg, &out_of_order).unwrap();
-        let (_, pending) = Journal::open(&dir, true, 0).unwrap();
-        assert_eq!(pending, vec![(1, b"one".to_vec())]);
-
-        // The first record damaged while the second, acknowledged after it, is whole:
-        // refused, with either the record's bytes or its header gone.
-        let mut damaged = bytes.clone();
-        damaged[MAGIC.len() + HEADER] ^= 0xff;
-        fs::write(&seg, &damaged).unwrap();
-        let err = Journal::open(&dir, true, 0).err().expect("must refuse");
-        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
-        assert!(err.to_string().contains("record 2 follows"), "{err}");
-        let mut zeroed = bytes.clone();
-        zeroed[MAGIC.len()..MAGIC.len() + HEADER].fill(0);
-        fs::write(&seg, &zeroed).unwrap();
-        let err = Journal::open(&dir, true, 0).err().expect("must refuse");
-        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
         fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -24,7 +24,7 @@ pub enum TableFile {
 }
 
 /// The most bytes of the tables' writes in the disk's queue at once.
-pub(crate) const STEP_BYTES: u64 = 512 << 10;
+const STEP_BYTES: u64 = 512 << 10;
 
 pub fn wal_path(db: &Path) -> PathBuf {
     let mut p = db.as_os_str().to_owned();
@@ -127,41 +127,31 @@ pub mod test_failures {
 /// Starts the write-back of `file`'s dirty pages [`STEP_BYTES`] at a time and waits for each
 /// step before the next, until `hurry` (Linux; elsewhere the sync after it writes them all
 /// at once).
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
 fn write_back_in_steps(file: &File, hurry: &dyn Fn() -> bool) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
     let len = file.metadata()?.len();
+    let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+        | libc::SYNC_FILE_RANGE_WRITE
+        | libc::SYNC_FILE_RANGE_WAIT_AFTER;
     let mut offset = 0;
     while offset < len && !hurry() {
-        write_back(file, offset, STEP_BYTES)?;
+        // SAFETY: sync_file_range takes a descriptor this `File` keeps open for the whole
+        // call, and integers; it reads and writes no memory of this process.
+        let r = unsafe {
+            libc::sync_file_range(file.as_raw_fd(), offset as i64, STEP_BYTES as i64, flags)
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         offset += STEP_BYTES;
     }
     Ok(())
 }
 
-/// Starts the write-back of the dirty pages among `len` bytes of `file` from `offset` and
-/// waits until they are written (not the file's metadata, nor the device's cache: a sync
-/// still follows). Linux; elsewhere nothing is done, and the sync writes them.
-#[cfg(target_os = "linux")]
-#[allow(unsafe_code)]
-pub(crate) fn write_back(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
-        | libc::SYNC_FILE_RANGE_WRITE
-        | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-    let (offset, len) = (
-        i64::try_from(offset).map_err(std::io::Error::other)?,
-        i64::try_from(len).map_err(std::io::Error::other)?,
-    );
-    // SAFETY: sync_file_range takes a descriptor this `File` keeps open for the whole call,
-    // and integers; it reads and writes no memory of this process.
-    let r = unsafe { libc::sync_file_range(file.as_raw_fd(), offset, len, flags) };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn write_back(_file: &File, _offset: u64, _len: u64) -> std::io::Result<()> {
+fn write_back_in_steps(_file: &File, _hurry: &dyn Fn() -> bool) -> std::io::Result<()> {
     Ok(())
 }
 

@@ -206,8 +206,8 @@ fn a_trace_that_cannot_be_written_is_refused_first() {
     assert!(!stderr.contains("sent"), "no run: {stderr}");
 }
 
-/// `disk` times writes and syncs of a file in `--dir` (over zeros laid down ahead, or
-/// appended with `--grow`), reports them, and leaves nothing behind; a bad size or directory is refused before anything is written.
+/// `disk` times appends and syncs of a file in `--dir`, reports them, and leaves nothing
+/// behind; a bad size or directory is refused before anything is written.
 #[test]
 fn disk() {
     let dir = std::env::temp_dir().join(format!("pigeon-bench-disk-{}", std::process::id()));
@@ -245,25 +245,11 @@ fn disk() {
     assert_eq!(v["sync_latency_ms"]["count"], syncs, "{v:#}");
     assert!(v["sync_latency_ms"]["p50"].as_f64() <= v["sync_latency_ms"]["max"].as_f64());
     assert_eq!(v["bytes"], 4096);
-    assert_eq!(v["grow"], false, "over zeros laid down ahead by default");
     assert_eq!(
         std::fs::read_dir(&dir).unwrap().count(),
         0,
         "the probe's file is left behind"
     );
-    // `--grow` appends to a growing file instead, as the journal did before spares.
-    let out = Command::new(env!("CARGO_BIN_EXE_pigeon"))
-        .args(["bench", "disk", "--duration", "0.2", "--grow", "--dir"])
-        .arg(&dir)
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .expect("pigeon bench runs");
-    assert_eq!(out.status.code(), Some(0));
-    let v = read_json(&json);
-    assert_eq!(v["grow"], true, "{v:#}");
-    assert!(v["syncs"].as_u64().unwrap() > 0, "{v:#}");
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
     let d = dir.to_str().unwrap();
     for (args, says) in [
         (["--bytes", "0", "--dir", d], "--bytes"),

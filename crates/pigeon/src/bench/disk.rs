@@ -1,6 +1,6 @@
-//! `disk`: the disk's own sync latency, with no server. A file in `--dir` is written and
-//! synced (`fdatasync`) again and again, as the journal's group commit does (over zeros laid
-//! down ahead, or with `--grow` at the end of a growing file), and each sync is timed. Every acknowledged send waits for one such sync, so the tail here is a floor under
+//! `disk`: the disk's own sync latency, with no server. A file in `--dir` is appended to and
+//! synced (`fdatasync`) again and again, as the journal's group commit does, and each sync is
+//! timed. Every acknowledged send waits for one such sync, so the tail here is a floor under
 //! the send latency of any run on the same disk: run it beside a `direct` run's figures to
 //! tell the disk's stalls from the server's (on this project's VM, five 30 s runs on the
 //! idle machine had maxima of 8-48 ms in four and 268 ms in one; see BENCHMARKS.md).
@@ -9,7 +9,6 @@ use super::report::{Checks, Report};
 use super::{Progress, Res};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -25,7 +24,8 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-/// The file starts again past this many bytes, as the journal starts a new segment.
+/// The file starts again (truncated) past this many bytes, as the journal starts a new
+/// segment.
 const FILE_BYTES: u64 = 64 << 20;
 
 #[derive(clap::Args)]
@@ -42,10 +42,6 @@ pub struct Args {
     /// Pause between a sync and the next append, in milliseconds
     #[arg(long, default_value_t = 3)]
     pub interval_ms: u64,
-    /// Append to a file that grows, as the journal did before it laid its segments down as
-    /// zeros ahead of time (each sync then writes the file's metadata too)
-    #[arg(long)]
-    pub grow: bool,
     /// Also write the result as JSON to this file
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -92,11 +88,7 @@ pub async fn run(a: Args) -> Res<ExitCode> {
         let stop = stop.clone();
         move || {
             let _file = RemoveOnDrop(path.clone());
-            time_syncs(
-                &path,
-                (duration, bytes, pause, a.grow),
-                (&done, &worst_us, &stop),
-            )
+            time_syncs(&path, duration, bytes, pause, (&done, &worst_us, &stop))
         }
     });
     tokio::pin!(job);
@@ -116,13 +108,8 @@ pub async fn run(a: Args) -> Res<ExitCode> {
     let mut rep = Report::new(
         "disk",
         format!(
-            "pigeon bench disk: {} bytes {} and synced every {} ms in {}, {:.1} s",
+            "pigeon bench disk: {} bytes appended and synced every {} ms in {}, {:.1} s",
             a.bytes,
-            if a.grow {
-                "appended to a growing file"
-            } else {
-                "written over zeros laid down ahead"
-            },
             a.interval_ms,
             a.dir.display(),
             a.duration
@@ -131,7 +118,6 @@ pub async fn run(a: Args) -> Res<ExitCode> {
     rep.set("dir", a.dir.display().to_string());
     rep.set("bytes", a.bytes);
     rep.set("interval_ms", a.interval_ms);
-    rep.set("grow", a.grow);
     rep.set("syncs", samples.len());
     rep.set(
         "syncs_over_50ms",
@@ -149,31 +135,23 @@ pub async fn run(a: Args) -> Res<ExitCode> {
     Ok(rep.finish(&Checks::default(), a.json.as_deref()))
 }
 
-/// Writes `bytes` and syncs, pausing `pause` between, for `duration`; answers each sync's
-/// latency (write and `fdatasync`, in microseconds) and the time it all took. Without
-/// `grow`, each file is first filled with zeros and synced whole (not timed), as the
-/// journal's spare segments are.
+/// Appends `bytes` and syncs, pausing `pause` between, for `duration`; answers each sync's
+/// latency (write and `fdatasync`, in microseconds) and the time it all took.
 fn time_syncs(
     path: &Path,
-    (duration, bytes, pause, grow): (Duration, usize, Duration, bool),
+    duration: Duration,
+    bytes: usize,
+    pause: Duration,
     (done, worst_us, stop): (&AtomicU64, &AtomicU64, &AtomicBool),
 ) -> Res<(Vec<u32>, Duration)> {
     let io = |e: std::io::Error| format!("{}: {e}", path.display());
     let create = || -> Res<File> {
-        let file = OpenOptions::new()
+        OpenOptions::new()
             .create(true)
             .truncate(true)
             .write(true)
             .open(path)
-            .map_err(io)?;
-        if !grow {
-            let zeros = vec![0_u8; 1 << 20];
-            for _ in 0..FILE_BYTES >> 20 {
-                (&file).write_all(&zeros).map_err(io)?;
-            }
-            file.sync_all().map_err(io)?;
-        }
-        Ok(file)
+            .map_err(io)
     };
     let block = vec![0x5a_u8; bytes];
     let mut file = create()?;
@@ -181,12 +159,12 @@ fn time_syncs(
     let mut samples = Vec::new();
     let started = Instant::now();
     while started.elapsed() < duration && !stop.load(Relaxed) {
-        if len + bytes as u64 > FILE_BYTES {
+        if len >= FILE_BYTES {
             file = create()?;
             len = 0;
         }
         let t = Instant::now();
-        file.write_all_at(&block, len).map_err(io)?;
+        file.write_all(&block).map_err(io)?;
         file.sync_data().map_err(io)?;
         let us = u32::try_from(t.elapsed().as_micros()).unwrap_or(u32::MAX);
         len += bytes as u64;
