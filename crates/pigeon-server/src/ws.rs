@@ -41,17 +41,17 @@ const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
 /// connection up front: an idle connection's largest buffer. A client frame is ~100-300
 /// bytes, so one or two fit. A larger frame (up to the frame limit) grows the buffer to its
 /// size, and the connection keeps that capacity (tungstenite reclaims its buffer rather
-/// than shrink it). 2 KiB until the twelfth session: 512 bytes took ~1.8 KiB off each idle
-/// connection's memory with no change in `direct`'s maximum (BENCHMARKS.md).
+/// than shrink it); it is still read 512 bytes at a time (2 048 reads for 1 MiB). 2 KiB
+/// until the twelfth session: 512 bytes took ~1.8 KiB off each idle connection's memory
+/// with no change in `direct`'s maximum (BENCHMARKS.md).
 const READ_BUFFER_BYTES: usize = 512;
 /// Bytes of frames gathered before they are written to the socket (see [`upgrade`]).
 const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
 const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
-/// Longest wait, once this server has sent a close frame, for the client's own: what the
-/// client sent meanwhile is read and dropped, since a socket closed with unread bytes is
-/// reset, and the reset can reach the client before the close frame does.
+/// How long a connection this server closes may take, from its close frame to letting the
+/// socket go (see [`await_close_reply`]).
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 #[derive(Deserialize)]
@@ -427,16 +427,16 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, codec: Codec, socket: 
     }
     match stop {
         Stop::Close(code, reason) => {
-            let _ = sink.send(close(code, reason)).await;
+            let deadline = tokio::time::Instant::now() + CLOSE_WAIT;
+            // A client that stopped reading cannot hold the task here either.
+            let _ = tokio::time::timeout_at(deadline, sink.send(close(code, reason))).await;
             Box::pin(conn.flush_cursors(true)).await;
-            let _ = tokio::time::timeout(CLOSE_WAIT, async {
-                while let Some(Ok(m)) = stream.next().await {
-                    if matches!(m, WsMessage::Close(_)) {
-                        break;
-                    }
-                }
-            })
-            .await;
+            // Offline from here on: what is sent to the user meanwhile goes to their other
+            // devices and the offline hook, not to an outbox nobody writes.
+            drop(registration);
+            drop(out_rx);
+            await_close_reply(&mut stream, deadline).await;
+            return;
         }
         Stop::ClientClosed => {
             Box::pin(conn.wait_for_own_sends()).await;
@@ -447,6 +447,30 @@ async fn run(app: AppRef, user: UserId, device: DeviceId, codec: Codec, socket: 
         Stop::Gone => Box::pin(conn.flush_cursors(true)).await,
     }
     drop(registration);
+}
+
+/// After this server's close frame: reads and drops what the client sends until its own
+/// close frame, or until `deadline`. A socket closed with unread bytes is reset, and the
+/// reset can overtake the close frame. When the stream ends first (it reads nothing past a
+/// frame over the size limit, or the client went), the socket is kept until `deadline`, so
+/// that the client has the time to read the close frame before any reset.
+async fn await_close_reply(
+    stream: &mut futures_util::stream::SplitStream<WebSocket>,
+    deadline: tokio::time::Instant,
+) {
+    let replied = tokio::time::timeout_at(deadline, async {
+        loop {
+            match stream.next().await {
+                Some(Ok(WsMessage::Close(_))) => return true,
+                Some(Ok(_)) => {}
+                Some(Err(_)) | None => return false,
+            }
+        }
+    })
+    .await;
+    if matches!(replied, Ok(false)) {
+        tokio::time::sleep_until(deadline).await;
+    }
 }
 
 fn close(code: u16, reason: &'static str) -> WsMessage {

@@ -141,3 +141,29 @@ async fn a_down_or_slow_receiver_does_not_slow_sending() {
         }
     }
 }
+
+/// A device whose connection the server closes is offline from the moment its close frame
+/// is sent, not once the client answers it (the server waits up to 1 s for that answer,
+/// reading what comes): a message sent in that second notifies it.
+#[tokio::test]
+async fn a_device_the_server_closes_is_offline_while_its_answer_is_awaited() {
+    let (url, got) = receiver(Duration::ZERO).await;
+    let s = spawn_with(|c| {
+        c.offline_webhook_url = Some(url);
+        c.heartbeat_ms = 200;
+    })
+    .await;
+    let alice = s.user(1).await;
+    let tc = s.token(3).await;
+    // Never read again, so it never answers the close frame.
+    let _silent = s.ws(&tc, "carol-phone").await;
+    // Closed with 1001 after two heartbeats (400-500 ms); its answer is awaited until ~1.5 s.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    alice
+        .post("/v1/messages", &text_to_user("c1", 3, "still there?"))
+        .await
+        .unwrap();
+    let seen = wait_for(&got, 1).await;
+    assert_eq!(seen.len(), 1, "carol is offline: {seen:?}");
+    assert_eq!(seen[0]["recipient"], 3);
+}
