@@ -29,7 +29,14 @@ const MAX_APPLY_BATCHES: usize = 512;
 /// batches of a quarter second (a conversation's index leaf, a user's inbox leaf) is written
 /// once instead of once per batch. A reader that finds the tables behind has them applied
 /// at once.
-const APPLY_DELAY: Duration = Duration::from_millis(250);
+pub(crate) const APPLY_DELAY: Duration = Duration::from_millis(250);
+/// How long the open transaction waits for more batches once none are queued: when the
+/// sends stop (a burst ends, the load falls away), its rows are committed this long after
+/// the last, not [`APPLY_DELAY`] after the first, so a reader who comes a little later
+/// (a device catching up on the burst) finds the tables current instead of waiting for the
+/// commit. Under a steady load batches come every millisecond or two and this never ends
+/// a transaction.
+const APPLY_QUIET: Duration = Duration::from_millis(5);
 /// Bytes of batches in the open transaction past which it commits without waiting for
 /// [`APPLY_DELAY`].
 const APPLY_BYTES: usize = 8 << 20;
@@ -40,7 +47,7 @@ const APPLY_BYTES: usize = 8 << 20;
 const APPLY_STEP: Duration = Duration::from_millis(10);
 /// How often the applier checkpoints the WAL itself, before it begins a transaction (see
 /// `run_applier`); the checkpointer thread syncs the tables every 100 ms.
-const CHECKPOINT_BEFORE_BEGIN: Duration = Duration::from_millis(100);
+pub(crate) const CHECKPOINT_BEFORE_BEGIN: Duration = Duration::from_millis(100);
 /// The same after a transaction a reader cut short.
 const CHECKPOINT_AFTER_A_READ: Duration = Duration::from_secs(1);
 /// The longest the applier goes without a checkpoint while batches come, readers waiting
@@ -132,6 +139,12 @@ impl StoreWrites {
             max_backlog_bytes,
             stopped: AtomicBool::new(false),
         })
+    }
+
+    /// The newest lsn journaled.
+    #[cfg(test)]
+    pub(crate) fn logged(&self) -> u64 {
+        self.logged.load(Ordering::Acquire)
     }
 
     /// The newest lsn whose batch the tables hold (committed, not necessarily synced).
@@ -526,6 +539,8 @@ impl StoreWrites {
         let tx = conn.transaction()?;
         let mut bytes = 0;
         let mut next_step = Instant::now();
+        // When the last batch was taken: once nothing more comes for APPLY_QUIET, commit.
+        let mut quiet_from: Option<Instant> = None;
         let mut cut_short;
         loop {
             let (chunk, commit) = {
@@ -533,7 +548,10 @@ impl StoreWrites {
                 loop {
                     let now = Instant::now();
                     let room = MAX_APPLY_BATCHES - taken.len();
-                    let ends = backlog.closed || now >= due || room == 0 || bytes >= APPLY_BYTES;
+                    let quiet = backlog.queue.is_empty()
+                        && quiet_from.is_some_and(|at| now >= at + APPLY_QUIET);
+                    let ends =
+                        backlog.closed || now >= due || room == 0 || bytes >= APPLY_BYTES || quiet;
                     let reader = self.readers_waiting.load(Ordering::Acquire) > 0;
                     let commit = ends || reader;
                     cut_short = !ends && reader;
@@ -550,10 +568,10 @@ impl StoreWrites {
                     if commit {
                         break (Vec::new(), true);
                     }
-                    let wake = if backlog.queue.is_empty() {
-                        due
-                    } else {
-                        next_step.min(due)
+                    let wake = match quiet_from {
+                        Some(at) if backlog.queue.is_empty() => (at + APPLY_QUIET).min(due),
+                        None if backlog.queue.is_empty() => due,
+                        _ => next_step.min(due),
                     };
                     backlog = self
                         .more
@@ -571,6 +589,7 @@ impl StoreWrites {
                 *busy += started.elapsed();
                 written?;
                 next_step = Instant::now() + APPLY_STEP;
+                quiet_from = Some(Instant::now());
             }
             if commit {
                 break;

@@ -736,7 +736,9 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         table_files::test_failures::fail_syncs_of(&db);
-        // Its transaction took a quarter second: the next begins with a checkpoint.
+        // The next transaction begins with a checkpoint once this long has passed since the
+        // last (the first transaction committed as soon as no more batches came).
+        std::thread::sleep(applier::CHECKPOINT_BEFORE_BEGIN + std::time::Duration::from_millis(50));
         writes.commit(user_named(2, "b")).unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while !applier.is_finished() && std::time::Instant::now() < deadline {
@@ -858,6 +860,35 @@ mod tests {
             // The applier waits up to a quarter second for more batches; the read must not
             // see the tables before it has applied this one.
             assert_eq!(user_name(&store, i).await, Some(format!("u{i}")));
+        }
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// When the sends stop, the applier commits what it took APPLY_QUIET after the last
+    /// batch, without a reader asking, not APPLY_DELAY after the first: a device that
+    /// comes to catch up on a burst finds the tables current.
+    #[tokio::test]
+    async fn batches_that_stop_coming_reach_the_tables_without_a_reader_asking() {
+        let dir = temp_dir("quiet");
+        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
+        for round in 1..=3u64 {
+            store
+                .commit(user_named(round, &format!("u{round}")))
+                .await
+                .unwrap();
+            let writes = &store.inner.writes;
+            let logged = writes.logged();
+            let started = std::time::Instant::now();
+            // No read: nothing here asks the applier to hurry.
+            while writes.applied() < logged {
+                assert!(
+                    started.elapsed() < applier::APPLY_DELAY / 2,
+                    "round {round}: still not applied after {:?}",
+                    started.elapsed()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
         drop(store);
         std::fs::remove_dir_all(dir).unwrap();
