@@ -406,7 +406,8 @@ impl StoreWrites {
 
     /// The applier thread's loop: one transaction at a time, which writes the queued
     /// batches' rows as they come (every [`APPLY_STEP`]) and commits once its oldest batch
-    /// has waited [`APPLY_DELAY`], or at once when a reader waits. If a step, the final
+    /// has waited [`APPLY_DELAY`], once no batch has come for [`APPLY_QUIET`], or at once
+    /// when a reader waits. If a step, the final
     /// rows or the commit fail, the transaction is rolled back and its batches are applied
     /// again in a fresh transaction (one by one if the tables refuse one, which is set
     /// aside), retrying after any other failure (the batches are durable in the journal;
@@ -525,8 +526,9 @@ impl StoreWrites {
     }
 
     /// One transaction: takes the queued batches every [`APPLY_STEP`] and writes their rows
-    /// into it, and commits at `due`, or at once when a reader waits, the store closes, or
-    /// the transaction is full. Everything taken is in `taken`, even on an error (the
+    /// into it, and commits at `due`, [`APPLY_QUIET`] after the last batch it took if no
+    /// more are queued, or at once when a reader waits, the store closes, or the
+    /// transaction is full. Everything taken is in `taken`, even on an error (the
     /// transaction is then rolled back); `busy` is the time spent writing. True when a
     /// waiting reader (or settings write) was what made it commit.
     fn apply_in_steps(

@@ -1206,7 +1206,8 @@ mod tests {
                 .commit(user_named(round, &format!("u{round}")))
                 .await
                 .unwrap();
-            // Not left waiting for the transaction's whole 250 ms, nor for ever.
+            // Right after the commit the applier's transaction is open (it ends 5 ms after
+            // its last batch): the write is not left waiting for that, nor for ever.
             tokio::time::timeout(
                 std::time::Duration::from_secs(2),
                 store.meta_set("k", &format!("v{round}")),
