@@ -60,6 +60,9 @@ pub struct ServeArgs {
     /// Most WebSocket connections held at once [default: 100000]
     #[arg(long, env = "PIGEON_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// Most WebSocket connections one user may hold at once, over all their devices; one more is refused with 429 `rate_limited` [default: 100]
+    #[arg(long, env = "PIGEON_MAX_CONNECTIONS_PER_USER")]
+    pub max_connections_per_user: Option<usize>,
     /// Longest token lifetime the admin API mints, in seconds [default: 31536000, a year]
     #[arg(long, env = "PIGEON_MAX_TOKEN_TTL_SECS")]
     pub max_token_ttl_secs: Option<u64>,
@@ -101,6 +104,8 @@ struct FileConfig {
     journal_backlog_kib: Option<usize>,
     #[serde(alias = "max-connections")]
     max_connections: Option<usize>,
+    #[serde(alias = "max-connections-per-user")]
+    max_connections_per_user: Option<usize>,
     #[serde(alias = "max-token-ttl-secs")]
     max_token_ttl_secs: Option<u64>,
     #[serde(alias = "send-rate-per-sec")]
@@ -126,6 +131,7 @@ pub struct Config {
     pub durability: DurabilityMode,
     pub journal_backlog_kib: usize,
     pub max_connections: usize,
+    pub max_connections_per_user: usize,
     pub max_token_ttl_secs: u64,
     pub offline_webhook_url: Option<String>,
     pub offline_webhook_timeout_ms: u64,
@@ -147,6 +153,7 @@ impl Default for Config {
             durability: DurabilityMode::Fsync,
             journal_backlog_kib: pigeon_store_sqlite::DEFAULT_BACKLOG_BYTES / 1024,
             max_connections: 100_000,
+            max_connections_per_user: 100,
             max_token_ttl_secs: 365 * 86_400,
             offline_webhook_url: None,
             offline_webhook_timeout_ms: 2_000,
@@ -230,6 +237,10 @@ impl Config {
                 .max_connections
                 .or(file.max_connections)
                 .unwrap_or(d.max_connections),
+            max_connections_per_user: args
+                .max_connections_per_user
+                .or(file.max_connections_per_user)
+                .unwrap_or(d.max_connections_per_user),
             max_token_ttl_secs: args
                 .max_token_ttl_secs
                 .or(file.max_token_ttl_secs)
@@ -274,6 +285,9 @@ impl Config {
         }
         if self.max_connections == 0 {
             return invalid("max-connections must be at least 1");
+        }
+        if self.max_connections_per_user == 0 {
+            return invalid("max-connections-per-user must be at least 1");
         }
         Ok(())
     }
@@ -327,5 +341,20 @@ mod tests {
             Config::resolve(&args).unwrap().admin_key.as_deref(),
             Some("secret")
         );
+        // No connection at all would be a server nobody can use.
+        for args in [
+            ServeArgs {
+                max_connections: Some(0),
+                ..Default::default()
+            },
+            ServeArgs {
+                max_connections_per_user: Some(0),
+                ..Default::default()
+            },
+        ] {
+            let err = Config::resolve(&args).unwrap_err().to_string();
+            assert!(err.contains("must be at least 1"), "{err}");
+        }
+        assert_eq!(Config::default().max_connections_per_user, 100);
     }
 }

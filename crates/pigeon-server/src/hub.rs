@@ -241,6 +241,15 @@ impl Hub {
         self.connections.load(Ordering::Relaxed)
     }
 
+    /// The connections `user` holds now, over all their devices.
+    pub fn connections_of(&self, user: UserId) -> usize {
+        self.shard(user)
+            .read()
+            .expect("hub shard lock")
+            .get(&user)
+            .map_or(0, Vec::len)
+    }
+
     pub fn register(
         self: &Arc<Self>,
         user: UserId,

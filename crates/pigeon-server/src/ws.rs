@@ -50,6 +50,8 @@ const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
 const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
+/// The wait a client refused for holding too many connections is told to make.
+const RETRY_AFTER_TOO_MANY_MS: u64 = 5_000;
 /// How long a connection this server closes may take, from its close frame to letting the
 /// socket go (see [`await_close_reply`]).
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
@@ -154,6 +156,17 @@ async fn authorize(
             ErrorCode::Unavailable,
             "too many connections; retry later",
         ));
+    }
+    // One user cannot take the server's connections (nor pin a read buffer grown by a
+    // large frame in each of thousands of them). Checked before the upgrade, so two
+    // upgrades racing may both pass by one: a bound, not an exact count.
+    if app.hub.connections_of(user) >= app.cfg.max_connections_per_user {
+        let mut e = ApiError::new(
+            ErrorCode::RateLimited,
+            "too many connections for this user; close one or retry later",
+        );
+        e.retry_after_ms = Some(RETRY_AFTER_TOO_MANY_MS);
+        return Err(e);
     }
     Ok((user, device))
 }

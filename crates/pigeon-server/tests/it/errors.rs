@@ -532,3 +532,39 @@ async fn content_over_the_limit_answers_413_payload_too_large() {
         .expect("content at the limit is accepted");
     assert_eq!(ack["seq"], 1, "the refused send stored nothing");
 }
+
+/// One user holds at most `max-connections-per-user` WebSocket connections: one more is
+/// refused before the upgrade with 429 `rate_limited` and a `retry_after_ms`
+/// (PROTOCOL-EXTENSIONS.md), other users are not affected, and a connection that closes
+/// makes room again.
+#[tokio::test]
+async fn one_user_holds_at_most_the_connections_per_user_limit() {
+    let s = spawn_with(|c| c.max_connections_per_user = 2).await;
+    let t = s.token(111).await;
+    let phone = s.ws(&t, "phone").await;
+    let _laptop = s.ws(&t, "laptop").await;
+    match WsConn::connect(&s.ws_base, &t, "tablet").await {
+        Err(pigeon_client::ClientError::Api { status, body }) => {
+            assert_eq!((status, body.code.as_str()), (429, "rate_limited"));
+            assert!(body.retry_after_ms.is_some_and(|ms| ms > 0), "{body:?}");
+        }
+        Err(e) => panic!("refused otherwise than with 429: {e}"),
+        Ok(_) => panic!("a third connection was let in"),
+    }
+    // Another user is not held to this one's count.
+    let other = s.token(222).await;
+    let _bob = s.ws(&other, "phone").await;
+    // Once one closes, there is room again (the hub lets it go as the socket ends).
+    drop(phone);
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        match WsConn::connect(&s.ws_base, &t, "tablet").await {
+            Ok(_) => break,
+            Err(e) => assert!(
+                std::time::Instant::now() < deadline,
+                "no room after a connection closed: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
