@@ -309,6 +309,13 @@ impl Engine {
                 Err(e) => {
                     tracing::debug!(error = %e, "connect failed");
                     self.emit(Event::State(ConnectionState::Disconnected));
+                    // A refusal that names its wait (429 `rate_limited`: too many of this
+                    // user's connections) is not tried again before it.
+                    if let ClientError::Api { body, .. } = &e
+                        && let Some(ms) = body.retry_after_ms
+                    {
+                        backoff = backoff.max(Duration::from_millis(ms));
+                    }
                     let jitter = backoff.mul_f64(rand::random::<f64>() * 0.5);
                     tokio::time::sleep(backoff + jitter).await;
                     backoff = (backoff * 2).min(self.cfg.backoff_max);

@@ -162,6 +162,10 @@ pub struct Hub {
     shards: Vec<RwLock<HashMap<UserId, Vec<Conn>>>>,
     next_id: AtomicU64,
     connections: AtomicUsize,
+    /// Connections admitted ([`Hub::admit`]): registered ones and upgrades under way, in
+    /// all and per user. Counted apart from the registrations, which begin only once an
+    /// upgrade is done: checked against those, every upgrade racing another would pass.
+    admitted: Mutex<Admitted>,
     waiters: Mutex<HashMap<UserId, Arc<Notify>>>,
     /// Long polls in progress; when none, publishing skips the waiters lock.
     waiting: AtomicUsize,
@@ -188,10 +192,46 @@ impl Default for Hub {
             shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
             next_id: AtomicU64::new(1),
             connections: AtomicUsize::new(0),
+            admitted: Mutex::new(Admitted::default()),
             waiters: Mutex::new(HashMap::new()),
             waiting: AtomicUsize::new(0),
             offline: None,
             pending_receipts: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Admitted {
+    total: usize,
+    by_user: HashMap<UserId, usize>,
+}
+
+/// Why [`Hub::admit`] refused a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The server holds its most connections.
+    Server,
+    /// The user holds their most connections.
+    User,
+}
+
+/// A connection's place in the hub's counts, taken before its upgrade and held until
+/// dropped: when the connection ends, or when the upgrade never completes.
+pub struct Admission {
+    hub: Arc<Hub>,
+    user: UserId,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        let mut admitted = self.hub.admitted.lock().expect("admitted lock");
+        admitted.total -= 1;
+        if let Some(n) = admitted.by_user.get_mut(&self.user) {
+            *n -= 1;
+            if *n == 0 {
+                admitted.by_user.remove(&self.user);
+            }
         }
     }
 }
@@ -241,13 +281,28 @@ impl Hub {
         self.connections.load(Ordering::Relaxed)
     }
 
-    /// The connections `user` holds now, over all their devices.
-    pub fn connections_of(&self, user: UserId) -> usize {
-        self.shard(user)
-            .read()
-            .expect("hub shard lock")
-            .get(&user)
-            .map_or(0, Vec::len)
+    /// Takes a place for one more connection of `user`, unless the server already holds
+    /// `max_total` or the user `max_per_user` (upgrades under way included).
+    pub fn admit(
+        self: &Arc<Self>,
+        user: UserId,
+        max_total: usize,
+        max_per_user: usize,
+    ) -> Result<Admission, Refused> {
+        let mut admitted = self.admitted.lock().expect("admitted lock");
+        if admitted.total >= max_total {
+            return Err(Refused::Server);
+        }
+        let mine = admitted.by_user.entry(user).or_default();
+        if *mine >= max_per_user {
+            return Err(Refused::User);
+        }
+        *mine += 1;
+        admitted.total += 1;
+        Ok(Admission {
+            hub: self.clone(),
+            user,
+        })
     }
 
     pub fn register(

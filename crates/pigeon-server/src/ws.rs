@@ -6,7 +6,7 @@
 use crate::app::AppRef;
 use crate::auth::bearer;
 use crate::error::ApiError;
-use crate::hub::{KillReason, Outbox, OutboxReader, Outgoing, PushChain};
+use crate::hub::{Admission, KillReason, Outbox, OutboxReader, Outgoing, PushChain, Refused};
 use crate::pipeline::{ReplyTo, Tier, now_ms};
 use crate::protobuf;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, Utf8Bytes, WebSocket, WebSocketUpgrade};
@@ -83,7 +83,7 @@ pub async fn upgrade(
         }
     };
     match authorized {
-        Ok((user, device)) => ws
+        Ok((user, device, admission)) => ws
             .protocols(subprotocols_by_preference(&headers))
             .read_buffer_size(READ_BUFFER_BYTES)
             // Frames fed between two flushes are gathered up to this size and written with one
@@ -97,7 +97,7 @@ pub async fn upgrade(
                 // (as it came and as a local), and a whole WebSocket is 368 bytes against
                 // 64 for its halves, in every connection's task for its whole life.
                 let codec = Codec::of(&socket);
-                run(app, user, device, codec, socket.split())
+                run(app, (user, device, admission), codec, socket.split())
             }),
         Err(e) => e.into_response(),
     }
@@ -126,7 +126,7 @@ async fn authorize(
     app: &AppRef,
     headers: &HeaderMap,
     params: Result<Query<WsParams>, axum::extract::rejection::QueryRejection>,
-) -> Result<(UserId, DeviceId), ApiError> {
+) -> Result<Admitted, ApiError> {
     if app.is_draining() {
         return Err(ApiError::new(
             ErrorCode::Unavailable,
@@ -151,24 +151,30 @@ async fn authorize(
             "platform must be ios, android, web or desktop",
         ));
     }
-    if app.hub.connection_count() >= app.cfg.max_connections {
-        return Err(ApiError::new(
-            ErrorCode::Unavailable,
-            "too many connections; retry later",
-        ));
-    }
     // One user cannot take the server's connections (nor pin a read buffer grown by a
-    // large frame in each of thousands of them). Checked before the upgrade, so two
-    // upgrades racing may both pass by one: a bound, not an exact count.
-    if app.hub.connections_of(user) >= app.cfg.max_connections_per_user {
-        let mut e = ApiError::new(
-            ErrorCode::RateLimited,
-            "too many connections for this user; close one or retry later",
-        );
-        e.retry_after_ms = Some(RETRY_AFTER_TOO_MANY_MS);
-        return Err(e);
-    }
-    Ok((user, device))
+    // large frame in each of thousands of them). The place is taken here, before the
+    // upgrade, and held by the connection's task: upgrades under way count too.
+    let admission = app
+        .hub
+        .admit(
+            user,
+            app.cfg.max_connections,
+            app.cfg.max_connections_per_user,
+        )
+        .map_err(|refused| match refused {
+            Refused::Server => {
+                ApiError::new(ErrorCode::Unavailable, "too many connections; retry later")
+            }
+            Refused::User => {
+                let mut e = ApiError::new(
+                    ErrorCode::RateLimited,
+                    "too many connections for this user; close one or retry later",
+                );
+                e.retry_after_ms = Some(RETRY_AFTER_TOO_MANY_MS);
+                e
+            }
+        })?;
+    Ok((user, device, admission))
 }
 
 struct Pending {
@@ -271,7 +277,11 @@ type Halves = (
     futures_util::stream::SplitStream<WebSocket>,
 );
 
-async fn run(app: AppRef, user: UserId, device: DeviceId, codec: Codec, socket: Halves) {
+/// Who a connection is: its user, its device, and its place in the hub's counts (held
+/// until the task ends).
+type Admitted = (UserId, DeviceId, Admission);
+
+async fn run(app: AppRef, (user, device, _admission): Admitted, codec: Codec, socket: Halves) {
     let (outbox, mut out_rx) = Outbox::new();
     let registration = app.hub.register(user, device.clone(), outbox.clone());
     let mut shutdown = app.shutdown.subscribe();
@@ -937,7 +947,7 @@ mod tests {
     /// The bytes of the future `f` returns, without making one.
     fn future_bytes<F, Fut>(_: &F) -> usize
     where
-        F: Fn(AppRef, UserId, DeviceId, Codec, Halves) -> Fut,
+        F: Fn(AppRef, Admitted, Codec, Halves) -> Fut,
     {
         std::mem::size_of::<Fut>()
     }

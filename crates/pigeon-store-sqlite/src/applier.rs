@@ -30,13 +30,20 @@ const MAX_APPLY_BATCHES: usize = 512;
 /// once instead of once per batch. A reader that finds the tables behind has them applied
 /// at once.
 pub(crate) const APPLY_DELAY: Duration = Duration::from_millis(250);
-/// How long the open transaction waits for more batches once none are queued: when the
-/// sends stop (a burst ends, the load falls away), its rows are committed this long after
-/// the last, not [`APPLY_DELAY`] after the first, so a reader who comes a little later
-/// (a device catching up on the burst) finds the tables current instead of waiting for the
-/// commit. Under a steady load batches come every millisecond or two and this never ends
-/// a transaction.
+/// How long an open transaction of at least [`QUIET_MIN_BATCHES`] batches (or
+/// [`QUIET_MIN_BYTES`]) waits for more
+/// once none are queued after its last step: when a burst ends, its rows are committed this
+/// long after the last batch taken, not [`APPLY_DELAY`] after the first, so a reader who
+/// comes a little later (a device catching up on the burst) finds the tables current
+/// instead of waiting for the commit. Under a heavy load batches come every millisecond or
+/// two, and a light one never fills a transaction that large, so neither commits more
+/// often (a small transaction makes a reader wait for little anyway).
 const APPLY_QUIET: Duration = Duration::from_millis(5);
+/// Batches a transaction must hold before a quiet spell commits it (see [`APPLY_QUIET`]).
+pub(crate) const QUIET_MIN_BATCHES: usize = 32;
+/// Or bytes of batches: a burst's last transaction, begun after a full one
+/// ([`APPLY_BYTES`]), may hold only a few large batches.
+const QUIET_MIN_BYTES: usize = 256 << 10;
 /// Bytes of batches in the open transaction past which it commits without waiting for
 /// [`APPLY_DELAY`].
 const APPLY_BYTES: usize = 8 << 20;
@@ -406,8 +413,10 @@ impl StoreWrites {
 
     /// The applier thread's loop: one transaction at a time, which writes the queued
     /// batches' rows as they come (every [`APPLY_STEP`]) and commits once its oldest batch
-    /// has waited [`APPLY_DELAY`], once no batch has come for [`APPLY_QUIET`], or at once
-    /// when a reader waits. If a step, the final
+    /// has waited [`APPLY_DELAY`], [`APPLY_QUIET`] after its last step if it holds
+    /// [`QUIET_MIN_BATCHES`] (or [`QUIET_MIN_BYTES`]) and none are queued, or at once when
+    /// a reader waits. If a
+    /// step, the final
     /// rows or the commit fail, the transaction is rolled back and its batches are applied
     /// again in a fresh transaction (one by one if the tables refuse one, which is set
     /// aside), retrying after any other failure (the batches are durable in the journal;
@@ -526,9 +535,10 @@ impl StoreWrites {
     }
 
     /// One transaction: takes the queued batches every [`APPLY_STEP`] and writes their rows
-    /// into it, and commits at `due`, [`APPLY_QUIET`] after the last batch it took if no
-    /// more are queued, or at once when a reader waits, the store closes, or the
-    /// transaction is full. Everything taken is in `taken`, even on an error (the
+    /// into it, and commits at `due`, [`APPLY_QUIET`] after the last batch it took if it
+    /// holds [`QUIET_MIN_BATCHES`] (or [`QUIET_MIN_BYTES`]) and no more are queued, or at
+    /// once when a reader waits,
+    /// the store closes, or the transaction is full. Everything taken is in `taken`, even on an error (the
     /// transaction is then rolled back); `busy` is the time spent writing. True when a
     /// waiting reader (or settings write) was what made it commit.
     fn apply_in_steps(
@@ -551,6 +561,7 @@ impl StoreWrites {
                     let now = Instant::now();
                     let room = MAX_APPLY_BATCHES - taken.len();
                     let quiet = backlog.queue.is_empty()
+                        && (taken.len() >= QUIET_MIN_BATCHES || bytes >= QUIET_MIN_BYTES)
                         && quiet_from.is_some_and(|at| now >= at + APPLY_QUIET);
                     let ends =
                         backlog.closed || now >= due || room == 0 || bytes >= APPLY_BYTES || quiet;
@@ -571,8 +582,14 @@ impl StoreWrites {
                         break (Vec::new(), true);
                     }
                     let wake = match quiet_from {
-                        Some(at) if backlog.queue.is_empty() => (at + APPLY_QUIET).min(due),
-                        None if backlog.queue.is_empty() => due,
+                        Some(at)
+                            if backlog.queue.is_empty()
+                                && (taken.len() >= QUIET_MIN_BATCHES
+                                    || bytes >= QUIET_MIN_BYTES) =>
+                        {
+                            (at + APPLY_QUIET).min(due)
+                        }
+                        _ if backlog.queue.is_empty() => due,
                         _ => next_step.min(due),
                     };
                     backlog = self

@@ -737,7 +737,7 @@ mod tests {
         }
         table_files::test_failures::fail_syncs_of(&db);
         // The next transaction begins with a checkpoint once this long has passed since the
-        // last (the first transaction committed as soon as no more batches came).
+        // last one.
         std::thread::sleep(applier::CHECKPOINT_BEFORE_BEGIN + std::time::Duration::from_millis(50));
         writes.commit(user_named(2, "b")).unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -865,18 +865,23 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// When the sends stop, the applier commits what it took APPLY_QUIET after the last
+    /// When a burst stops, the applier commits what it took APPLY_QUIET after the last
     /// batch, without a reader asking, not APPLY_DELAY after the first: a device that
-    /// comes to catch up on a burst finds the tables current.
+    /// comes to catch up on the burst finds the tables current.
     #[tokio::test]
-    async fn batches_that_stop_coming_reach_the_tables_without_a_reader_asking() {
+    async fn a_burst_that_stops_reaches_the_tables_without_a_reader_asking() {
         let dir = temp_dir("quiet");
-        let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
-        for round in 1..=3u64 {
-            store
-                .commit(user_named(round, &format!("u{round}")))
-                .await
-                .unwrap();
+        let store = SqliteStore::open(&dir, Durability::Os).unwrap();
+        let mut id = 0;
+        for round in 1..=3 {
+            // A burst: more batches than QUIET_MIN_BATCHES, one after the other.
+            for _ in 0..2 * applier::QUIET_MIN_BATCHES {
+                id += 1;
+                store
+                    .commit(user_named(id, &format!("u{id}")))
+                    .await
+                    .unwrap();
+            }
             let writes = &store.inner.writes;
             let logged = writes.logged();
             let started = std::time::Instant::now();
@@ -1206,8 +1211,8 @@ mod tests {
                 .commit(user_named(round, &format!("u{round}")))
                 .await
                 .unwrap();
-            // Right after the commit the applier's transaction is open (it ends 5 ms after
-            // its last batch): the write is not left waiting for that, nor for ever.
+            // Right after the commit the applier's transaction is open (for up to 250 ms):
+            // the write is not left waiting for that, nor for ever.
             tokio::time::timeout(
                 std::time::Duration::from_secs(2),
                 store.meta_set("k", &format!("v{round}")),

@@ -551,6 +551,23 @@ async fn one_user_holds_at_most_the_connections_per_user_limit() {
         Err(e) => panic!("refused otherwise than with 429: {e}"),
         Ok(_) => panic!("a third connection was let in"),
     }
+    // Upgrades racing each other are counted as they are let in, not once they are done:
+    // of 20 at once from a user who holds one connection, exactly one more gets in.
+    let other_device = s.token(333).await;
+    let _first = s.ws(&other_device, "d0").await;
+    let racing = (1..=20).map(|i| {
+        let (base, t) = (s.ws_base.clone(), other_device.clone());
+        tokio::spawn(async move { WsConn::connect(&base, &t, &format!("d{i}")).await })
+    });
+    let mut admitted = Vec::new();
+    for attempt in racing.collect::<Vec<_>>() {
+        match attempt.await.unwrap() {
+            Ok(ws) => admitted.push(ws),
+            Err(pigeon_client::ClientError::Api { status: 429, .. }) => {}
+            Err(e) => panic!("refused otherwise than with 429: {e}"),
+        }
+    }
+    assert_eq!(admitted.len(), 1, "the limit is 2 and one was held");
     // Another user is not held to this one's count.
     let other = s.token(222).await;
     let _bob = s.ws(&other, "phone").await;
