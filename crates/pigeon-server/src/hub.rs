@@ -165,7 +165,7 @@ pub struct Hub {
     /// Connections admitted ([`Hub::admit`]): registered ones and upgrades under way, in
     /// all and per user. Counted apart from the registrations, which begin only once an
     /// upgrade is done: checked against those, every upgrade racing another would pass.
-    admitted: Mutex<Admitted>,
+    admitted: Mutex<AdmittedCounts>,
     waiters: Mutex<HashMap<UserId, Arc<Notify>>>,
     /// Long polls in progress; when none, publishing skips the waiters lock.
     waiting: AtomicUsize,
@@ -192,7 +192,7 @@ impl Default for Hub {
             shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
             next_id: AtomicU64::new(1),
             connections: AtomicUsize::new(0),
-            admitted: Mutex::new(Admitted::default()),
+            admitted: Mutex::new(AdmittedCounts::default()),
             waiters: Mutex::new(HashMap::new()),
             waiting: AtomicUsize::new(0),
             offline: None,
@@ -202,7 +202,7 @@ impl Default for Hub {
 }
 
 #[derive(Default)]
-struct Admitted {
+struct AdmittedCounts {
     total: usize,
     by_user: HashMap<UserId, usize>,
 }

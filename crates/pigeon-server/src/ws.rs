@@ -126,7 +126,7 @@ async fn authorize(
     app: &AppRef,
     headers: &HeaderMap,
     params: Result<Query<WsParams>, axum::extract::rejection::QueryRejection>,
-) -> Result<Admitted, ApiError> {
+) -> Result<Peer, ApiError> {
     if app.is_draining() {
         return Err(ApiError::new(
             ErrorCode::Unavailable,
@@ -279,9 +279,9 @@ type Halves = (
 
 /// Who a connection is: its user, its device, and its place in the hub's counts (held
 /// until the task ends).
-type Admitted = (UserId, DeviceId, Admission);
+type Peer = (UserId, DeviceId, Admission);
 
-async fn run(app: AppRef, (user, device, _admission): Admitted, codec: Codec, socket: Halves) {
+async fn run(app: AppRef, (user, device, _admission): Peer, codec: Codec, socket: Halves) {
     let (outbox, mut out_rx) = Outbox::new();
     let registration = app.hub.register(user, device.clone(), outbox.clone());
     let mut shutdown = app.shutdown.subscribe();
@@ -947,14 +947,14 @@ mod tests {
     /// The bytes of the future `f` returns, without making one.
     fn future_bytes<F, Fut>(_: &F) -> usize
     where
-        F: Fn(AppRef, Admitted, Codec, Halves) -> Fut,
+        F: Fn(AppRef, Peer, Codec, Halves) -> Fut,
     {
         std::mem::size_of::<Fut>()
     }
 
     /// Every connection holds its task for its whole life, idle or not, so the task's
     /// future is part of every idle connection's memory: 2 248 bytes before the twelfth
-    /// session (the WebSocket kept twice, the hello frame kept in scope), 1 432 after. A
+    /// session (the WebSocket kept twice, the hello frame kept in scope), 1 480 after. A
     /// change that holds something large across an await fails here rather than in a
     /// benchmark's noise.
     #[test]

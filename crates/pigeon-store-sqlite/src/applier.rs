@@ -31,13 +31,13 @@ const MAX_APPLY_BATCHES: usize = 512;
 /// at once.
 pub(crate) const APPLY_DELAY: Duration = Duration::from_millis(250);
 /// How long an open transaction of at least [`QUIET_MIN_BATCHES`] batches (or
-/// [`QUIET_MIN_BYTES`]) waits for more
-/// once none are queued after its last step: when a burst ends, its rows are committed this
-/// long after the last batch taken, not [`APPLY_DELAY`] after the first, so a reader who
-/// comes a little later (a device catching up on the burst) finds the tables current
-/// instead of waiting for the commit. Under a heavy load batches come every millisecond or
-/// two, and a light one never fills a transaction that large, so neither commits more
-/// often (a small transaction makes a reader wait for little anyway).
+/// [`QUIET_MIN_BYTES`]) waits for more once none are queued after its last step: when a
+/// burst ends, its rows are committed this long after the last batch taken, not
+/// [`APPLY_DELAY`] after the first, so a reader who comes a little later (a device catching
+/// up on the burst) finds the tables current instead of waiting for the commit. Under a
+/// heavy load batches come every millisecond or two, and a light one never fills a
+/// transaction that large, so neither commits more often (a small transaction makes a
+/// reader wait for little anyway).
 const APPLY_QUIET: Duration = Duration::from_millis(5);
 /// Batches a transaction must hold before a quiet spell commits it (see [`APPLY_QUIET`]).
 pub(crate) const QUIET_MIN_BATCHES: usize = 32;
@@ -415,8 +415,7 @@ impl StoreWrites {
     /// batches' rows as they come (every [`APPLY_STEP`]) and commits once its oldest batch
     /// has waited [`APPLY_DELAY`], [`APPLY_QUIET`] after its last step if it holds
     /// [`QUIET_MIN_BATCHES`] (or [`QUIET_MIN_BYTES`]) and none are queued, or at once when
-    /// a reader waits. If a
-    /// step, the final
+    /// a reader waits. If a step, the final
     /// rows or the commit fail, the transaction is rolled back and its batches are applied
     /// again in a fresh transaction (one by one if the tables refuse one, which is set
     /// aside), retrying after any other failure (the batches are durable in the journal;
@@ -537,10 +536,10 @@ impl StoreWrites {
     /// One transaction: takes the queued batches every [`APPLY_STEP`] and writes their rows
     /// into it, and commits at `due`, [`APPLY_QUIET`] after the last batch it took if it
     /// holds [`QUIET_MIN_BATCHES`] (or [`QUIET_MIN_BYTES`]) and no more are queued, or at
-    /// once when a reader waits,
-    /// the store closes, or the transaction is full. Everything taken is in `taken`, even on an error (the
-    /// transaction is then rolled back); `busy` is the time spent writing. True when a
-    /// waiting reader (or settings write) was what made it commit.
+    /// once when a reader waits, the store closes, or the transaction is full. Everything
+    /// taken is in `taken`, even on an error (the transaction is then rolled back); `busy`
+    /// is the time spent writing. True when a waiting reader (or settings write) was what
+    /// made it commit.
     fn apply_in_steps(
         &self,
         conn: &mut Connection,
@@ -560,15 +559,20 @@ impl StoreWrites {
                 loop {
                     let now = Instant::now();
                     let room = MAX_APPLY_BATCHES - taken.len();
-                    let quiet = backlog.queue.is_empty()
-                        && (taken.len() >= QUIET_MIN_BATCHES || bytes >= QUIET_MIN_BYTES)
-                        && quiet_from.is_some_and(|at| now >= at + APPLY_QUIET);
+                    let idle = backlog.queue.is_empty();
+                    // When a quiet spell commits this transaction, if it is large enough.
+                    let quiet_at = quiet_from
+                        .filter(|_| {
+                            idle && (taken.len() >= QUIET_MIN_BATCHES || bytes >= QUIET_MIN_BYTES)
+                        })
+                        .map(|at| at + APPLY_QUIET);
+                    let quiet = quiet_at.is_some_and(|at| now >= at);
                     let ends =
                         backlog.closed || now >= due || room == 0 || bytes >= APPLY_BYTES || quiet;
                     let reader = self.readers_waiting.load(Ordering::Acquire) > 0;
                     let commit = ends || reader;
                     cut_short = !ends && reader;
-                    if !backlog.queue.is_empty() && room > 0 && (commit || now >= next_step) {
+                    if !idle && room > 0 && (commit || now >= next_step) {
                         let n = backlog.queue.len().min(room);
                         let chunk: Vec<_> = backlog.queue.drain(..n).collect();
                         // Left as it was when some stay (a full transaction): the next one
@@ -581,16 +585,10 @@ impl StoreWrites {
                     if commit {
                         break (Vec::new(), true);
                     }
-                    let wake = match quiet_from {
-                        Some(at)
-                            if backlog.queue.is_empty()
-                                && (taken.len() >= QUIET_MIN_BATCHES
-                                    || bytes >= QUIET_MIN_BYTES) =>
-                        {
-                            (at + APPLY_QUIET).min(due)
-                        }
-                        _ if backlog.queue.is_empty() => due,
-                        _ => next_step.min(due),
+                    let wake = match quiet_at {
+                        Some(at) => at.min(due),
+                        None if idle => due,
+                        None => next_step.min(due),
                     };
                     backlog = self
                         .more
@@ -794,6 +792,18 @@ mod tests {
     use super::*;
     use crate::temp_dir;
 
+    /// A database in WAL mode in a new directory, as the writer has it (`synchronous=NORMAL`)
+    /// and with no automatic checkpoint: its directory, its path and the connection.
+    fn wal_db(name: &str) -> (PathBuf, PathBuf, Connection) {
+        let dir = temp_dir(name);
+        let db = dir.join("pigeon.db");
+        let conn = Connection::open(&db).unwrap();
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        conn.pragma_update(None, "synchronous", "NORMAL").unwrap();
+        conn.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+        (dir, db, conn)
+    }
+
     fn rows_in(db: &Path) -> i64 {
         Connection::open(db)
             .unwrap()
@@ -805,12 +815,7 @@ mod tests {
     /// cannot be synced fails the checkpoint first, and the writer syncs as before.
     #[test]
     fn a_checkpoint_copies_nothing_before_the_wal_is_synced() {
-        let dir = temp_dir("ckpt-wal-fails");
-        let db = dir.join("pigeon.db");
-        let conn = Connection::open(&db).unwrap();
-        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
-        conn.pragma_update(None, "synchronous", "NORMAL").unwrap();
-        conn.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+        let (dir, db, conn) = wal_db("ckpt-wal-fails");
         conn.execute_batch("CREATE TABLE t (x BLOB); INSERT INTO t VALUES (zeroblob(4000));")
             .unwrap();
         crate::table_files::test_failures::fail_syncs_of(&crate::table_files::wal_path(&db));
@@ -835,12 +840,7 @@ mod tests {
     /// was: a transaction's commit must not be left with `synchronous=OFF`.
     #[test]
     fn a_checkpoint_in_steps_copies_the_wal_and_leaves_the_writer_as_it_was() {
-        let dir = temp_dir("ckpt-steps");
-        let db = dir.join("pigeon.db");
-        let conn = Connection::open(&db).unwrap();
-        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
-        conn.pragma_update(None, "synchronous", "NORMAL").unwrap();
-        conn.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+        let (dir, db, conn) = wal_db("ckpt-steps");
         conn.execute_batch("CREATE TABLE t (x BLOB)").unwrap();
         for _ in 0..300 {
             conn.execute("INSERT INTO t VALUES (zeroblob(4000))", [])
