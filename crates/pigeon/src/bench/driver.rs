@@ -109,7 +109,9 @@ pub struct LatencyArgs {
     /// latency and how late the tool itself sent it to this CSV file
     /// (`sent_ms,latency_ms,late_ms`, sent_ms counted from the start of sending, in send
     /// order; warm-up included; a resend's lateness counts from its first schedule), to see
-    /// when a run's tail happens and how much of it the tool spent. It holds 16 bytes a delivery in memory until the end of the run
+    /// when a run's tail happens and how much of it the tool spent. It holds 16 bytes a delivery in memory until the end of the run.
+    /// The wall-clock time at which sending started is printed, to lay the trace over a
+    /// profile taken on the same clock (`perf record -k CLOCK_REALTIME`)
     #[arg(long)]
     pub trace: Option<PathBuf>,
 }
@@ -384,6 +386,16 @@ pub async fn measure(
     let started = Instant::now();
     let progress = progress(shared.clone());
     let start_us = now_us();
+    if trace_file.is_some() {
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        super::note(format!(
+            "trace: sending starts at {}.{:06} (Unix time, seconds)",
+            wall.as_secs(),
+            wall.subsec_micros()
+        ));
+    }
     shared
         .record_from_us
         .store(start_us + (latency.warmup * 1e6) as u64, Release);
