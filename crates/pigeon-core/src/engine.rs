@@ -344,7 +344,7 @@ impl Engine {
                 user,
                 admin,
             } => {
-                let conv = self.group_mut(&conversation)?;
+                let conv = self.member_group_mut(&conversation, actor)?;
                 let actor_role = role_of(conv, actor)?;
                 if actor_role != Role::Owner {
                     return Err(DomainError::Forbidden(
@@ -427,7 +427,7 @@ impl Engine {
                 conversation,
                 patch,
             } => {
-                let conv = self.group_mut(&conversation)?;
+                let conv = self.member_group_mut(&conversation, actor)?;
                 if !role_of(conv, actor)?.manages() {
                     return Err(DomainError::Forbidden(
                         "only the owner and admins update the group".into(),
@@ -468,7 +468,7 @@ impl Engine {
                 actor,
                 conversation,
             } => {
-                let conv = self.group_mut(&conversation)?;
+                let conv = self.member_group_mut(&conversation, actor)?;
                 if role_of(conv, actor)? != Role::Owner {
                     return Err(DomainError::Forbidden(
                         "only the owner dismisses the group".into(),
@@ -500,8 +500,12 @@ impl Engine {
             Command::AdminDelete { msg_id } => {
                 let mut msg = self.existing_message(msg_id)?;
                 if msg.status != MessageStatus::Deleted {
+                    // "Content gone" (PROTOCOL.md 6): its payload, mentions and earlier
+                    // versions too, even from the admin audit.
                     msg.status = MessageStatus::Deleted;
                     msg.content.clear();
+                    msg.extra = serde_json::Value::Null;
+                    msg.mentions.clear();
                     ch.message_updates.push(MessageUpdate {
                         msg_id,
                         status: MessageStatus::Deleted,
@@ -509,6 +513,7 @@ impl Engine {
                         content: Some(String::new()),
                         edited_at: msg.edited_at,
                         recalled: None,
+                        wipe: true,
                     });
                     self.messages.insert(self.batch, msg_id, Some(msg.clone()));
                 }
@@ -739,7 +744,7 @@ impl Engine {
             )));
         }
         let known = self.known_users.clone();
-        let conv = self.group_mut(conv_id)?;
+        let conv = self.member_group_mut(conv_id, actor)?;
         role_of(conv, actor)?;
         still_open(conv)?;
         let mut fresh: Vec<UserId> = Vec::new();
@@ -796,7 +801,7 @@ impl Engine {
         ch: &mut Changes,
         ev: &mut Vec<Event>,
     ) -> Outcome {
-        let conv = self.group_mut(conv_id)?;
+        let conv = self.member_group_mut(conv_id, actor)?;
         let actor_role = role_of(conv, actor)?;
         // A dismissed group is read-only: nobody is kicked from it or quits it (a member who
         // no longer wants to see it hides it).
@@ -877,6 +882,7 @@ impl Engine {
             content: None,
             edited_at: msg.edited_at,
             recalled: Some((now, actor)),
+            wipe: false,
         });
         self.messages
             .insert(self.batch, msg_id, Some(updated.clone()));
@@ -933,6 +939,7 @@ impl Engine {
             content: Some(content),
             edited_at: Some(now),
             recalled: None,
+            wipe: false,
         });
         self.messages
             .insert(self.batch, msg_id, Some(updated.clone()));
@@ -973,7 +980,7 @@ impl Engine {
         conv_id: &ConversationId,
         user: UserId,
     ) -> Result<(), DomainError> {
-        let conv = self.group_mut(conv_id)?;
+        let conv = self.member_group_mut(conv_id, actor)?;
         let actor_role = role_of(conv, actor)?;
         if !actor_role.manages() {
             return Err(DomainError::Forbidden(
@@ -993,11 +1000,18 @@ impl Engine {
         Ok(())
     }
 
-    fn group_mut(&mut self, id: &ConversationId) -> Result<&mut ConversationState, DomainError> {
+    /// The group `id`, for a change by `actor`. A conversation that does not exist and one
+    /// `actor` is not in answer alike (`not_member`), so probing reveals nothing; only a
+    /// member learns that a single chat is not a group.
+    fn member_group_mut(
+        &mut self,
+        id: &ConversationId,
+        actor: UserId,
+    ) -> Result<&mut ConversationState, DomainError> {
         match self.conversations.get_mut(id) {
-            Some(c) if c.is_group => Ok(c),
-            Some(_) => Err(DomainError::invalid("not a group")),
-            None => Err(DomainError::NotFound("group")),
+            Some(c) if c.members.contains_key(&actor) && c.is_group => Ok(c),
+            Some(c) if c.members.contains_key(&actor) => Err(DomainError::invalid("not a group")),
+            _ => Err(DomainError::NotMember),
         }
     }
 

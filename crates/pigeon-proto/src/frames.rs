@@ -62,7 +62,8 @@ pub struct AckFrame {
 pub struct SyncFrame {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_seq: Option<u64>,
-    #[serde(default)]
+    /// `null` reads as none given, like an omitted field.
+    #[serde(default, deserialize_with = "crate::views::null_as_default")]
     pub conversations: BTreeMap<String, u64>,
 }
 

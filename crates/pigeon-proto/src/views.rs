@@ -27,12 +27,18 @@ pub struct SendRequest {
     pub reply_to: Option<MsgId>,
     /// `null` reads as none, like `extra` and `reply_to` (a client may send every field of
     /// the message object, empty ones as `null`).
-    #[serde(default, deserialize_with = "null_as_empty")]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub mentions: Vec<u64>,
 }
 
-fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
-    Ok(Option::<Vec<u64>>::deserialize(d)?.unwrap_or_default())
+/// A field given as `null` reads as absent (its default), as the protocol's optional
+/// fields do.
+pub(crate) fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 /// What a durable send answers.

@@ -60,6 +60,11 @@ impl App {
 
     /// The user a token belongs to, if it is well-formed, signed, unexpired and not revoked.
     pub async fn authenticate(&self, token: &str) -> ApiResult<UserId> {
+        self.authenticate_token(token).await.map(|(uid, _)| uid)
+    }
+
+    /// The user a token is for, and its generation (a logout moves the user's on).
+    pub async fn authenticate_token(&self, token: &str) -> ApiResult<(UserId, u64)> {
         let Claims { uid, exp, gen_ } = self
             .signer
             .verify(token)
@@ -68,7 +73,7 @@ impl App {
             return Err(ApiError::unauthorized());
         }
         match self.token_gens.get(uid) {
-            Some(known) if known == gen_ => return Ok(uid),
+            Some(known) if known == gen_ => return Ok((uid, gen_)),
             // Generations only grow: an older one was revoked.
             Some(known) if known > gen_ => return Err(ApiError::unauthorized()),
             _ => {}
@@ -81,7 +86,7 @@ impl App {
             .ok_or_else(ApiError::unauthorized)?;
         self.token_gens.remember(uid, u.token_gen, epoch);
         if u.token_gen == gen_ {
-            Ok(uid)
+            Ok((uid, gen_))
         } else {
             Err(ApiError::unauthorized())
         }
@@ -244,20 +249,28 @@ impl App {
 
     /// Relays a typing notice to the other members' online devices; stores nothing.
     pub async fn typing(&self, user: UserId, conv: &ConversationId) -> ApiResult<()> {
-        let m = self.membership(user, conv).await?;
-        if m.left_seq.is_some() {
-            return Err(ApiError::not_member());
-        }
         let others: Vec<UserId> = match conv.peer_of(user) {
-            Some(peer) => vec![peer],
-            None => self
-                .store
-                .members(conv, None, 2000)
-                .await?
-                .iter()
-                .map(|m| m.user_id)
-                .filter(|u| *u != user)
-                .collect(),
+            // A single chat's id is derived, never allocated: its two users may type in it
+            // before its first message, as they may send to it (to a registered peer).
+            Some(peer) => {
+                if self.store.user(peer).await?.is_none() {
+                    return Err(ApiError::not_found("user"));
+                }
+                vec![peer]
+            }
+            None => {
+                let m = self.membership(user, conv).await?;
+                if m.left_seq.is_some() {
+                    return Err(ApiError::not_member());
+                }
+                self.store
+                    .members(conv, None, 2000)
+                    .await?
+                    .iter()
+                    .map(|m| m.user_id)
+                    .filter(|u| *u != user)
+                    .collect()
+            }
         };
         let frame = pigeon_proto::frames::ServerFrame::Typing {
             conversation_id: conv.clone(),

@@ -23,8 +23,8 @@ pub struct ServeArgs {
     /// TOML file with any of the settings below (keys as the flags, with `_` or `-`).
     #[arg(long, env = "PIGEON_CONFIG")]
     pub config: Option<PathBuf>,
-    /// HTTP + WebSocket address [default: 127.0.0.1:8080]
-    #[arg(long, env = "PIGEON_LISTEN")]
+    /// HTTP + WebSocket address, IP:port or host:port [default: 127.0.0.1:8080]
+    #[arg(long, env = "PIGEON_LISTEN", value_parser = parse_listen)]
     pub listen: Option<SocketAddr>,
     /// Where the embedded store lives [default: ./data]
     #[arg(long, env = "PIGEON_DATA_DIR")]
@@ -77,11 +77,33 @@ pub struct ServeArgs {
     pub offline_webhook_timeout_ms: Option<u64>,
 }
 
+/// A listen address: an IP address and port, or a host name and port (`localhost:8080`),
+/// resolved once at start to its first address.
+pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    s.to_socket_addrs()
+        .map_err(|e| format!("{s:?} is not an address (IP:port or host:port): {e}"))?
+        .next()
+        .ok_or_else(|| format!("{s:?} resolves to no address"))
+}
+
+fn listen_from_file<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<SocketAddr>, D::Error> {
+    match Option::<String>::deserialize(d)? {
+        Some(s) => parse_listen(&s).map(Some).map_err(serde::de::Error::custom),
+        None => Ok(None),
+    }
+}
+
 /// The file layer: the same keys, all optional.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileConfig {
-    #[serde(alias = "listen")]
+    #[serde(default, deserialize_with = "listen_from_file")]
     listen: Option<SocketAddr>,
     #[serde(alias = "data-dir")]
     data_dir: Option<PathBuf>,

@@ -140,12 +140,21 @@ impl Rooms {
         Ok(())
     }
 
-    /// `(viewers, recent)` of a room.
+    /// `(viewers, recent)` of a room: the last [`RECENT`] messages it took, including those
+    /// its viewers get at the next flush.
     pub fn info(&self, id: &str) -> Option<(usize, Vec<RoomMessage>)> {
         let st = self.state.lock().expect("rooms lock");
-        st.rooms
-            .get(id)
-            .map(|r| (r.viewers.len(), r.recent.iter().cloned().collect()))
+        st.rooms.get(id).map(|r| {
+            let all = r.recent.len() + r.pending.len();
+            let recent = r
+                .recent
+                .iter()
+                .chain(&r.pending)
+                .skip(all.saturating_sub(RECENT))
+                .cloned()
+                .collect();
+            (r.viewers.len(), recent)
+        })
     }
 
     /// Sends what every room gathered since the last flush.

@@ -83,7 +83,7 @@ pub async fn upgrade(
         }
     };
     match authorized {
-        Ok((user, device, admission)) => ws
+        Ok(peer) => ws
             .protocols(subprotocols_by_preference(&headers))
             .read_buffer_size(READ_BUFFER_BYTES)
             // Frames fed between two flushes are gathered up to this size and written with one
@@ -97,7 +97,7 @@ pub async fn upgrade(
                 // (as it came and as a local), and a whole WebSocket is 368 bytes against
                 // 64 for its halves, in every connection's task for its whole life.
                 let codec = Codec::of(&socket);
-                run(app, (user, device, admission), codec, socket.split())
+                run(app, peer, codec, socket.split())
             }),
         Err(e) => e.into_response(),
     }
@@ -141,7 +141,7 @@ async fn authorize(
     let token = header_token
         .or(p.token.as_deref())
         .ok_or_else(ApiError::unauthorized)?;
-    let user = app.authenticate(token).await?;
+    let (user, token_gen) = app.authenticate_token(token).await?;
     let device = DeviceId::parse(p.device_id.as_deref().unwrap_or(""))
         .map_err(|e| ApiError::invalid(e.0))?;
     if let Some(pl) = p.platform.as_deref()
@@ -174,7 +174,7 @@ async fn authorize(
                 e
             }
         })?;
-    Ok((user, device, admission))
+    Ok((user, device, admission, token_gen))
 }
 
 struct Pending {
@@ -209,7 +209,9 @@ struct Connection {
     last_seen: Instant,
     bad_frames: u32,
     bad_window_start: Instant,
-    typing_last: HashMap<ConversationId, Instant>,
+    /// When a `typing` per conversation was last taken, and how it was refused if it was
+    /// (a refusal within the throttle's window is answered again without asking the store).
+    typing_last: HashMap<ConversationId, (Instant, Option<ErrorCode>)>,
     conn_id: u64,
     /// The live room this connection watches (at most one).
     room: Option<String>,
@@ -277,11 +279,16 @@ type Halves = (
     futures_util::stream::SplitStream<WebSocket>,
 );
 
-/// Who a connection is: its user, its device, and its place in the hub's counts (held
-/// until the task ends).
-type Peer = (UserId, DeviceId, Admission);
+/// Who a connection is: its user, its device, its place in the hub's counts (held until
+/// the task ends) and its token's generation.
+type Peer = (UserId, DeviceId, Admission, u64);
 
-async fn run(app: AppRef, (user, device, _admission): Peer, codec: Codec, socket: Halves) {
+async fn run(
+    app: AppRef,
+    (user, device, _admission, token_gen): Peer,
+    codec: Codec,
+    socket: Halves,
+) {
     let (outbox, mut out_rx) = Outbox::new();
     let registration = app.hub.register(user, device.clone(), outbox.clone());
     let mut shutdown = app.shutdown.subscribe();
@@ -295,7 +302,12 @@ async fn run(app: AppRef, (user, device, _admission): Peer, codec: Codec, socket
         unacked: BTreeMap::new(),
         cursors: HashMap::new(),
         cursors_dirty: false,
-        sent_since_barrier: Vec::new(),
+        // As if this connection had sent already: its first `sync` or `pull` (or answer
+        // given at once) first passes a barrier, behind the acknowledged positions that
+        // another connection of this device saved as it ended. A client whose socket
+        // dropped, without the close handshake, and who reconnects at once resumes where
+        // it stopped.
+        sent_since_barrier: vec![Tier::Fast],
         last_cursor_flush: now,
         last_seen: now,
         bad_frames: 0,
@@ -312,6 +324,39 @@ async fn run(app: AppRef, (user, device, _admission): Peer, codec: Codec, socket
             return;
         }
     };
+    // A logout committed between the token's check and the registration above kicked no
+    // connection of this one: read after registering, the store tells (a later logout
+    // finds it registered).
+    // No await inside the match: its scrutinee (a whole user record) would be held across
+    // it, in every connection's task.
+    let current = match app.store.user(user).await {
+        Ok(u) => Some(u.is_some_and(|u| u.token_gen == token_gen)),
+        Err(e) => {
+            tracing::error!(error = %e, %user, "cannot read the user; closing");
+            None
+        }
+    };
+    let Some(current) = current else {
+        let _ = sink.send(close(1011, "unavailable")).await;
+        return;
+    };
+    if !current {
+        // Boxed, and the frame made inside: held across these awaits in the task itself,
+        // they would size every connection's task for its whole life.
+        Box::pin(async {
+            let kicked = codec.message(
+                ServerFrame::Kicked {
+                    reason: "token_revoked".into(),
+                }
+                .to_json()
+                .into(),
+            );
+            let _ = sink.feed(kicked).await;
+            let _ = sink.send(close(1008, "token_revoked")).await;
+        })
+        .await;
+        return;
+    }
     // Made in a block of its own: a value with a destructor lives until its scope ends, so
     // a frame built in the function's scope would be held in every connection's task for
     // its whole life (216 bytes).
@@ -377,6 +422,11 @@ async fn run(app: AppRef, (user, device, _admission): Peer, codec: Codec, socket
                         if is_too_big(&e) {
                             break Stop::Close(1009, "frame too large");
                         }
+                        // A text frame that is not UTF-8 (RFC 6455 section 8.1): tungstenite's
+                        // `Error::Utf8` (pinned by a test, should its wording change).
+                        if e.to_string().contains("UTF-8 encoding error") {
+                            break Stop::Close(1007, "text frame is not UTF-8");
+                        }
                         break Stop::Gone;
                     }
                     Some(Ok(m)) => m,
@@ -388,8 +438,9 @@ async fn run(app: AppRef, (user, device, _admission): Peer, codec: Codec, socket
                     // (3 432 bytes inline, 1 792 boxed).
                     WsMessage::Text(t) => Box::pin(conn.handle_text(t.as_str())).await,
                     WsMessage::Binary(b) => match codec {
-                        // Not decoded: a small protobuf frame can stand for a large tree.
-                        Codec::Proto(_) if b.len() > MAX_FRAME_BYTES => conn.too_large(None),
+                        // Not decoded: a small protobuf frame can stand for a large tree. A
+                        // frame over the limit is too large whatever the subprotocol.
+                        _ if b.len() > MAX_FRAME_BYTES => conn.too_large(None),
                         Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
                             Ok(text) => Box::pin(conn.handle_text(&text)).await,
                             Err((req, e)) => conn.bad_frame(req, &e),
@@ -399,6 +450,13 @@ async fn run(app: AppRef, (user, device, _admission): Peer, codec: Codec, socket
                     WsMessage::Ping(_) | WsMessage::Pong(_) => Vec::new(),
                     WsMessage::Close(_) => break Stop::ClientClosed,
                 };
+                // An answer given at once (a `pong`, an error) first waits for the commands
+                // this connection sent before it, whose answers are then queued ahead of it:
+                // frames are answered in the order they came, so a `ping` after a `send` is
+                // a barrier a client can rely on. (Boxed: see above.)
+                if !replies.is_empty() {
+                    Box::pin(conn.wait_for_own_sends()).await;
+                }
                 if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
                     for r in replies {
                         let _ = sink.feed(codec.message(r.into())).await;
@@ -699,18 +757,23 @@ impl Connection {
                 } else {
                     Duration::from_millis(200)
                 };
-                let recent = self
-                    .typing_last
-                    .get(&t.conversation_id)
-                    .is_some_and(|at| now.duration_since(*at) < every);
-                if !recent {
-                    if self.typing_last.len() > 256 {
-                        self.typing_last.clear();
+                match self.typing_last.get(&t.conversation_id) {
+                    Some((at, refused)) if now.duration_since(*at) < every => match refused {
+                        // A refused one is answered every time, not once and then silently.
+                        Some(code) => Err(ApiError::new(*code, "typing refused")),
+                        None => Ok(Vec::new()),
+                    },
+                    _ => {
+                        let result = app.typing(self.user, &t.conversation_id).await;
+                        if self.typing_last.len() > 256 {
+                            self.typing_last.clear();
+                        }
+                        let refused = result.as_ref().err().map(|e| e.code);
+                        self.typing_last
+                            .insert(t.conversation_id.clone(), (now, refused));
+                        result.map(|()| Vec::new())
                     }
-                    self.typing_last.insert(t.conversation_id.clone(), now);
-                    app.typing(self.user, &t.conversation_id).await?;
                 }
-                Ok(Vec::new())
             }
             ClientFrame::Ping => Ok(vec![
                 ServerFrame::Pong {
@@ -954,7 +1017,8 @@ mod tests {
 
     /// Every connection holds its task for its whole life, idle or not, so the task's
     /// future is part of every idle connection's memory: 2 248 bytes before the twelfth
-    /// session (the WebSocket kept twice, the hello frame kept in scope), 1 480 after. A
+    /// session (the WebSocket kept twice, the hello frame kept in scope), 1 480 after, 1 504
+    /// with the token's generation checked after registering (thirteenth session). A
     /// change that holds something large across an await fails here rather than in a
     /// benchmark's noise.
     #[test]

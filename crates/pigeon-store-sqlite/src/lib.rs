@@ -1375,6 +1375,7 @@ mod tests {
                 content: None,
                 edited_at: None,
                 recalled: Some((12, u)),
+                wipe: false,
             }],
             versions: vec![(msg, 1, "old".into(), 9)],
             hidden_messages: vec![(u, msg)],

@@ -192,10 +192,22 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
                 i.msg_id.get() as i64
             ])?;
         }
+        // Before the updates: a deletion for everyone wipes the versions an edit earlier in
+        // this transaction wrote.
+        let mut st = tx.prepare_cached(
+            "INSERT OR IGNORE INTO message_versions (msg_id, version, content, at) VALUES (?1, ?2, ?3, ?4)",
+        )?;
+        for (id, v, content, at) in every().flat_map(|ch| &ch.versions) {
+            st.execute(params![id.get() as i64, v, content, at])?;
+        }
         let mut st = tx.prepare_cached(
             "UPDATE messages SET status = ?2, version = ?3, content = coalesce(?4, content), edited_at = ?5, \
-             recalled_at = coalesce(?6, recalled_at), recalled_by = coalesce(?7, recalled_by) WHERE msg_id = ?1",
+             recalled_at = coalesce(?6, recalled_at), recalled_by = coalesce(?7, recalled_by), \
+             extra = CASE WHEN ?8 THEN NULL ELSE extra END, mentions = CASE WHEN ?8 THEN NULL ELSE mentions END \
+             WHERE msg_id = ?1",
         )?;
+        let mut wipe_versions =
+            tx.prepare_cached("UPDATE message_versions SET content = '' WHERE msg_id = ?1")?;
         for u in every().flat_map(|ch| &ch.message_updates) {
             st.execute(params![
                 u.msg_id.get() as i64,
@@ -205,13 +217,11 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
                 u.edited_at,
                 u.recalled.map(|r| r.0),
                 u.recalled.map(|r| r.1.get() as i64),
+                u.wipe,
             ])?;
-        }
-        let mut st = tx.prepare_cached(
-            "INSERT OR IGNORE INTO message_versions (msg_id, version, content, at) VALUES (?1, ?2, ?3, ?4)",
-        )?;
-        for (id, v, content, at) in every().flat_map(|ch| &ch.versions) {
-            st.execute(params![id.get() as i64, v, content, at])?;
+            if u.wipe {
+                wipe_versions.execute([u.msg_id.get() as i64])?;
+            }
         }
         let mut st = tx.prepare_cached(
             "INSERT OR IGNORE INTO hidden_messages (user_id, msg_id) VALUES (?1, ?2)",

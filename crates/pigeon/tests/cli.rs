@@ -464,3 +464,48 @@ async fn pigeon_chat_line_mode_sends_and_receives_live() {
         .unwrap();
     assert!(status.success());
 }
+
+/// `--listen` takes a host name and port (`localhost:0`) as well as an IP address: the
+/// server starts, prints the address it bound, and answers there.
+#[tokio::test]
+async fn listen_takes_a_host_name_and_port() {
+    let dir = temp_dir("hostname");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+        .args(["serve", "--admin-key", KEY, "--listen", "localhost:0"])
+        .current_dir(&dir)
+        .env_remove("PIGEON_ADMIN_KEY")
+        .env_remove("PIGEON_LISTEN")
+        .env_remove("PIGEON_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("pigeon starts");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut base = None;
+    while let Ok(Ok(Some(line))) =
+        tokio::time::timeout(Duration::from_secs(10), lines.next_line()).await
+    {
+        if let Some(b) = line.strip_prefix("pigeon: listening on ") {
+            base = Some(b.to_owned());
+            break;
+        }
+    }
+    let base = base.unwrap_or_else(|| {
+        panic!(
+            "no listening line; exit status {:?}",
+            child.try_wait().ok().flatten()
+        )
+    });
+    let addr: std::net::SocketAddr = base
+        .strip_prefix("http://")
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("an address: {base}"));
+    assert!(addr.ip().is_loopback() && addr.port() != 0, "{addr}");
+    let (status, _) = Http::new(base.clone())
+        .raw(reqwest::Method::GET, "/healthz", None)
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    child.kill().await.unwrap();
+}

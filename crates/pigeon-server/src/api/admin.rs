@@ -20,17 +20,42 @@ const MAX_AVATAR_CHARS: usize = 2048;
 #[derive(Deserialize)]
 pub struct UpsertUser {
     user_id: UserId,
+    /// Left out (or `null`): kept as registered (`""` for a new user).
     #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    avatar: Option<String>,
+}
+
+/// What a registration sets: the fields given, and for those left out what the user has.
+struct UserFields {
+    user_id: UserId,
     name: String,
-    #[serde(default)]
     avatar: String,
 }
 
 pub async fn upsert_user(
     _: Admin,
     State(app): State<AppRef>,
-    ApiJson(b): ApiJson<UpsertUser>,
+    ApiJson(given): ApiJson<UpsertUser>,
 ) -> ApiResult<Json<UserView>> {
+    // "Repeat = update": a repeat that leaves a field out does not erase it.
+    let stored = if given.name.is_none() || given.avatar.is_none() {
+        app.store.user(given.user_id).await?
+    } else {
+        None
+    };
+    let b = UserFields {
+        user_id: given.user_id,
+        name: given
+            .name
+            .or_else(|| stored.as_ref().map(|u| u.name.clone()))
+            .unwrap_or_default(),
+        avatar: given
+            .avatar
+            .or_else(|| stored.as_ref().map(|u| u.avatar.clone()))
+            .unwrap_or_default(),
+    };
     if b.name.chars().count() > MAX_NAME_CHARS {
         return Err(ApiError::invalid(format!(
             "name is longer than {MAX_NAME_CHARS} characters"

@@ -310,11 +310,15 @@ pub async fn sync(
             if head > after || tokio::time::Instant::now() >= deadline || app.is_draining() {
                 let (items, has_more) = app.store.pull_inbox(me, after + 1, head, limit).await?;
                 let summary = app.sync(me, &device, &Default::default()).await?;
-                // `user_seq` is the inbox's newest, as in the WebSocket's `sync_result`; when
-                // `limit` cut the items short, `has_more` says so (the next call starts after
-                // the last item, not at `user_seq`).
+                // `user_seq` is where the answer brings the client: the inbox's newest, or,
+                // when `limit` cut the items short (`has_more`), the last item's. A pull-mode
+                // client passes it back as the next `user_seq` and misses nothing.
+                let reached = match items.last() {
+                    Some(last) if has_more => last.seq,
+                    _ => head,
+                };
                 return Ok::<_, ApiError>(json!({
-                    "user_seq": head,
+                    "user_seq": reached,
                     "items": items,
                     "has_more": has_more,
                     "conversations": summary.conversations,

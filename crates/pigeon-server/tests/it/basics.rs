@@ -866,3 +866,18 @@ async fn every_user_content_kind_is_accepted() {
         );
     }
 }
+
+/// PROTOCOL.md 2: `--listen` is the "HTTP + WebSocket address": a host name with its port
+/// (`localhost:8080`) is taken as well as an IP address, and one that is neither is refused.
+#[test]
+fn listen_addresses_take_a_host_name_and_port() {
+    use pigeon_server::config::parse_listen;
+    let a = parse_listen("localhost:8080").expect("localhost resolves");
+    assert!(a.ip().is_loopback() && a.port() == 8080, "{a}");
+    let ip: std::net::SocketAddr = "127.0.0.1:9000".parse().unwrap();
+    assert_eq!(parse_listen("127.0.0.1:9000"), Ok(ip));
+    assert_eq!(parse_listen("[::1]:9000").map(|a| a.port()), Ok(9000));
+    for bad in ["nonsense", "localhost", "127.0.0.1:port", ""] {
+        assert!(parse_listen(bad).is_err(), "{bad:?} is refused");
+    }
+}

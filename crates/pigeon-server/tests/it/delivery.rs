@@ -383,15 +383,18 @@ async fn long_poll_answers_as_soon_as_something_arrives() {
         .collect();
     assert_eq!(
         (seqs, r["user_seq"].as_u64(), r["has_more"].as_bool()),
-        (vec![2, 3], Some(5), Some(true))
+        (vec![2, 3], Some(3), Some(true))
     );
+    // A pull-mode client passes `user_seq` back and misses nothing; the last page brings
+    // it to the newest.
     let r = bob.get("/v1/sync?user_seq=3&limit=2").await.unwrap();
     assert_eq!(
         (
             r["items"].as_array().unwrap().len(),
+            r["user_seq"].as_u64(),
             r["has_more"].as_bool()
         ),
-        (2, Some(false))
+        (2, Some(5), Some(false))
     );
     assert_eq!(
         code_of(bob.get("/v1/sync?limit=0").await),
@@ -547,4 +550,149 @@ async fn a_send_then_a_pull_or_sync_are_answered_in_that_order() {
             .await
             .unwrap();
     }
+}
+
+/// PROTOCOL-EXTENSIONS.md: "A connection's frames are answered in the order they came": a
+/// `ping` sent right after a run of `send`s gets its `pong` after every one of their
+/// `send_ack`s, so a client may use it as a barrier.
+#[tokio::test]
+async fn a_ping_after_a_run_of_sends_is_answered_after_every_send_ack() {
+    let s = spawn_server().await;
+    let (ann, _bob) = (s.token(611).await, s.token(612).await);
+    let mut ws = s.ws(&ann, "d").await;
+    const N: i64 = 20;
+    // A few rounds: a pong that overtook the acks would show in one of them.
+    for round in 0..3i64 {
+        let base = round * 100;
+        for i in 1..=N {
+            let mut send = send_frame(text_to_user(&format!("b-{round}-{i}"), 612, "x"));
+            send["req"] = json!(base + i);
+            ws.send(&send).await.unwrap();
+        }
+        ws.send(&json!({"type": "ping", "req": base + N + 1}))
+            .await
+            .unwrap();
+        let mut acked = Vec::new();
+        loop {
+            let f = ws
+                .recv(WAIT)
+                .await
+                .unwrap()
+                .expect("a frame before the pong");
+            assert_ne!(f["type"], "error", "{f}");
+            if f["type"] == "pong" {
+                assert_eq!(f["req"], base + N + 1);
+                break;
+            }
+            if f["type"] == "send_ack" {
+                acked.push(f["req"].as_i64().unwrap());
+            }
+        }
+        acked.sort();
+        assert_eq!(
+            acked,
+            (base + 1..=base + N).collect::<Vec<i64>>(),
+            "round {round}: every send_ack comes before the pong"
+        );
+    }
+}
+
+/// The same order for a `read`, which has no reply of its own: once the `pong` of a `ping`
+/// sent after it arrives, the read mark is committed and `GET /v1/conversations/{id}`
+/// shows it.
+#[tokio::test]
+async fn a_read_is_committed_once_a_later_ping_is_answered() {
+    let s = spawn_server().await;
+    let ta = s.token(621).await;
+    let bob = s.user(622).await;
+    for i in 0..5 {
+        bob.post(
+            "/v1/messages",
+            &text_to_user(&format!("r-{i}"), 621, "read me"),
+        )
+        .await
+        .unwrap();
+    }
+    let alice = s.anon().with_bearer(ta.clone());
+    let mut ws = s.ws(&ta, "d").await;
+    for seq in 1..=5u64 {
+        ws.send(&json!({"type": "read", "conversation_id": "621-622", "seq": seq}))
+            .await
+            .unwrap();
+        let pong = request(&mut ws, json!({"type": "ping"}), seq as i64).await;
+        assert_eq!(pong["type"], "pong", "{pong}");
+        let c = alice.get("/v1/conversations/621-622").await.unwrap();
+        assert_eq!(c["last_read_seq"], seq, "{c}");
+    }
+}
+
+/// PROTOCOL-EXTENSIONS.md: optional fields given as `null` read as absent: a `sync` with
+/// `"conversations": null` is answered like one without the field (not `invalid_argument`).
+#[tokio::test]
+async fn a_sync_with_null_conversations_is_answered_like_one_without_them() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(1).await;
+    let t2 = s.token(2).await;
+    let _ = s.user(3).await;
+    let g = new_group(&owner, &[2, 3]).await;
+    owner
+        .post("/v1/messages", &text_to_conv("n1", &g, "x"))
+        .await
+        .unwrap();
+    let mut ws = s.ws(&t2, "d2").await;
+    let omitted = request(&mut ws, json!({"type": "sync"}), 1).await;
+    let null = request(&mut ws, json!({"type": "sync", "conversations": null}), 2).await;
+    assert_eq!(null["type"], "sync_result", "{null}");
+    assert_eq!(
+        (&null["user_seq"], &null["cursor"], &null["conversations"]),
+        (
+            &omitted["user_seq"],
+            &omitted["cursor"],
+            &omitted["conversations"]
+        )
+    );
+    assert_eq!(null["conversations"][0]["conversation_id"], g.as_str());
+}
+
+/// PROTOCOL-EXTENSIONS.md: `GET /v1/sync`'s `user_seq` "is where the answer brings the
+/// client": a pull-mode client that passes it back page after page gets every message
+/// exactly once, in order, and stops when `has_more` is false.
+#[tokio::test]
+async fn a_pull_mode_client_passing_user_seq_back_gets_every_message_once() {
+    let s = spawn_server().await;
+    let alice = s.user(1).await;
+    let bob = s.user(2).await;
+    for i in 1..=7 {
+        alice
+            .post(
+                "/v1/messages",
+                &text_to_user(&format!("pm-{i}"), 2, &i.to_string()),
+            )
+            .await
+            .unwrap();
+    }
+    let mut user_seq = 0u64;
+    let mut got: Vec<(u64, String)> = Vec::new();
+    let mut calls = 0;
+    loop {
+        calls += 1;
+        assert!(calls <= 10, "the loop ends: {got:?}");
+        let r = bob
+            .get(&format!("/v1/sync?user_seq={user_seq}&limit=2"))
+            .await
+            .unwrap();
+        for it in r["items"].as_array().unwrap() {
+            got.push((
+                it["seq"].as_u64().unwrap(),
+                it["message"]["content"].as_str().unwrap().to_owned(),
+            ));
+        }
+        user_seq = r["user_seq"].as_u64().unwrap();
+        if r["has_more"] == false {
+            break;
+        }
+    }
+    let expected: Vec<(u64, String)> = (1..=7u64).map(|i| (i, i.to_string())).collect();
+    assert_eq!(got, expected);
+    assert_eq!((user_seq, calls), (7, 4));
 }

@@ -585,3 +585,57 @@ async fn one_user_holds_at_most_the_connections_per_user_limit() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// PROTOCOL.md 5: "A frame over 1 MiB gets `payload_too_large`": a binary one on a
+/// `pigeon.v1.json` connection (the default) too, rather than `invalid_argument` for its
+/// being binary, and the connection stays.
+#[tokio::test]
+async fn a_binary_frame_over_1_mib_on_a_json_connection_is_payload_too_large() {
+    let (_s, mut ws) = connected().await;
+    ws.send_binary(vec![b'x'; (1 << 20) + 10]).await.unwrap();
+    expect_error(&mut ws, "payload_too_large").await;
+    let pong = request(&mut ws, json!({"type": "ping"}), 1).await;
+    assert_eq!(pong["type"], "pong");
+}
+
+/// RFC 6455 8.1: a text frame that is not UTF-8 fails the connection with close code 1007
+/// (PROTOCOL.md 5 says text frames carry JSON, which is UTF-8). `WsConn` only sends valid
+/// text, so this client sends the frame itself: tungstenite's `Message::Frame` writes a text
+/// frame with any payload, masked as a client's must be.
+#[tokio::test]
+async fn a_text_frame_that_is_not_utf8_is_closed_with_1007() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    let s = spawn_server().await;
+    let t = s.token(111).await;
+    let mut req = format!("{}/v1/ws?device_id=d", s.ws_base)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    let (mut ws, _) = tokio_tungstenite::connect_async(req).await.unwrap();
+    let bad = vec![b'{', 0xff, 0xfe, b'}'];
+    assert!(std::str::from_utf8(&bad).is_err());
+    ws.send(Message::Frame(Frame::message(
+        bad,
+        OpCode::Data(Data::Text),
+        true,
+    )))
+    .await
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let code = loop {
+        match tokio::time::timeout_at(deadline, ws.next()).await {
+            Ok(Some(Ok(Message::Close(frame)))) => break frame.map(|f| u16::from(f.code)),
+            // The hello, and anything else before the close.
+            Ok(Some(Ok(_))) => continue,
+            Ok(Some(Err(e))) => panic!("no close frame: {e}"),
+            Ok(None) => panic!("the connection ended without a close frame"),
+            Err(_) => panic!("not closed in time"),
+        }
+    };
+    assert_eq!(code, Some(1007));
+}

@@ -1126,3 +1126,92 @@ async fn a_group_update_with_nothing_to_change_is_invalid() {
         "team"
     );
 }
+
+/// Every group endpoint that changes a group, and the member list, called on `conv`.
+fn group_calls(conv: &str) -> Vec<(reqwest::Method, String, Option<Value>)> {
+    use reqwest::Method;
+    vec![
+        (
+            Method::PATCH,
+            format!("/v1/groups/{conv}"),
+            Some(json!({"name": "mine"})),
+        ),
+        (
+            Method::POST,
+            format!("/v1/groups/{conv}/members"),
+            Some(json!({"user_ids": [444]})),
+        ),
+        (
+            Method::DELETE,
+            format!("/v1/groups/{conv}/members/222"),
+            None,
+        ),
+        (Method::PUT, format!("/v1/groups/{conv}/admins/222"), None),
+        (
+            Method::POST,
+            format!("/v1/groups/{conv}/mutes"),
+            Some(json!({"user_id": 222, "duration_secs": 600})),
+        ),
+        (Method::DELETE, format!("/v1/groups/{conv}/mutes/222"), None),
+        (Method::DELETE, format!("/v1/groups/{conv}"), None),
+        (Method::GET, format!("/v1/groups/{conv}/members"), None),
+    ]
+}
+
+/// PROTOCOL-EXTENSIONS.md: "A conversation that does not exist answers `not_member` (never
+/// `not_found`), so that probing reveals nothing": a stranger gets the same 403 `not_member`
+/// from the group endpoints for an existing group, for a group id that never existed and for
+/// a single chat of two other users. Only a participant of a single chat learns that it is
+/// not a group (400 `invalid_argument`).
+#[tokio::test]
+async fn group_endpoints_answer_a_stranger_alike_whether_the_group_exists_or_not() {
+    let s = spawn_server().await;
+    let Trio { alice, bob, id, .. } = trio(&s).await;
+    let dave = s.user(444).await;
+    // bob and carol have chatted: their single chat exists.
+    bob.post("/v1/messages", &text_to_user("bc", 333, "hi carol"))
+        .await
+        .unwrap();
+    for (i, (method, path, body)) in group_calls(&id).into_iter().enumerate() {
+        let existing = dave
+            .raw(method.clone(), &path, body.as_ref())
+            .await
+            .unwrap();
+        assert_eq!(
+            (existing.0, existing.1["code"].as_str()),
+            (403, Some("not_member")),
+            "{method} {path}: {}",
+            existing.1
+        );
+        // Status and body alike: nothing tells the existing group from the others.
+        for other in ["g123456789", "222-333"] {
+            let (m, p, b) = group_calls(other).swap_remove(i);
+            let answer = dave.raw(m, &p, b.as_ref()).await.unwrap();
+            assert_eq!(answer, existing, "{method} {p} answers as {path} does");
+        }
+    }
+    // bob is in the single chat: he is told it is not a group (the member list aside, which
+    // is not a change).
+    for (method, path, body) in group_calls("222-333")
+        .into_iter()
+        .filter(|(m, _, _)| *m != reqwest::Method::GET)
+    {
+        let (status, answer) = bob.raw(method.clone(), &path, body.as_ref()).await.unwrap();
+        assert_eq!(
+            (status, answer["code"].as_str()),
+            (400, Some("invalid_argument")),
+            "{method} {path}: {answer}"
+        );
+    }
+    // Nothing was changed anywhere.
+    assert_eq!(newest_seq(&alice, &id).await, 1);
+    assert_eq!(newest_seq(&bob, "222-333").await, 1);
+    assert_eq!(
+        roles(&alice, &id).await,
+        vec![
+            (111, "owner".into()),
+            (222, "member".into()),
+            (333, "member".into())
+        ]
+    );
+}

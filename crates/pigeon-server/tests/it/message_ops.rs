@@ -454,3 +454,86 @@ async fn admin_delete_removes_the_message_for_everyone_and_keeps_its_seq() {
         "not_found"
     );
 }
+
+/// PROTOCOL.md 6: an admin delete removes the message "for everyone (status `deleted`,
+/// content gone, seq kept)": its `extra` (a custom message's payload) and `mentions` go
+/// with its content, and so do an edited message's earlier versions, from the admin audit
+/// too.
+#[tokio::test]
+async fn admin_delete_wipes_extra_mentions_and_every_version() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _bob = s.user(222).await;
+    let g = new_group(&alice, &[222]).await;
+    let card = json!({"title": "secret card", "n": 7});
+    let (custom, _) = send(
+        &alice,
+        json!({"client_msg_id": "c1", "to": {"conversation": g}, "kind": "custom",
+               "content": "card", "extra": card, "mentions": [222]}),
+    )
+    .await;
+    let (edited, _) = send(&alice, text_to_conv("t1", &g, "first words")).await;
+    edit(&alice, &edited, "second words").await.expect("edit");
+    // Before the deletion the audit holds it all, so what goes is the deletion's doing.
+    let before = s
+        .admin
+        .get(&format!("/v1/admin/messages/{custom}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (&before["message"]["extra"], &before["message"]["mentions"]),
+        (&card, &json!([222]))
+    );
+    let before = s
+        .admin
+        .get(&format!("/v1/admin/messages/{edited}"))
+        .await
+        .unwrap();
+    let contents: Vec<&str> = before["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(contents, vec!["first words", "second words"]);
+
+    for id in [&custom, &edited] {
+        let r = s
+            .admin
+            .delete(&format!("/v1/admin/messages/{id}"))
+            .await
+            .unwrap();
+        assert_eq!(
+            (r["status"].as_str(), r["content"].as_str()),
+            (Some("deleted"), Some("")),
+            "{r}"
+        );
+        assert!(r["extra"].is_null(), "{r}");
+        assert_eq!(r["mentions"], json!([]), "{r}");
+        let audit = s
+            .admin
+            .get(&format!("/v1/admin/messages/{id}"))
+            .await
+            .unwrap();
+        let m = &audit["message"];
+        assert_eq!(
+            (m["status"].as_str(), m["content"].as_str()),
+            (Some("deleted"), Some("")),
+            "{audit}"
+        );
+        assert!(m["extra"].is_null(), "{audit}");
+        assert_eq!(m["mentions"], json!([]), "{audit}");
+        let versions = audit["versions"].as_array().unwrap();
+        assert!(!versions.is_empty(), "{audit}");
+        for v in versions {
+            assert_eq!(v["content"], "", "{audit}");
+        }
+    }
+    // The edited message keeps its two versions, emptied.
+    let audit = s
+        .admin
+        .get(&format!("/v1/admin/messages/{edited}"))
+        .await
+        .unwrap();
+    assert_eq!(audit["versions"].as_array().unwrap().len(), 2, "{audit}");
+}

@@ -715,3 +715,99 @@ async fn the_device_that_sent_a_read_gets_no_receipt_of_it() {
         2
     );
 }
+
+/// PROTOCOL.md 1: a single chat's id "is derived, never allocated", so its two users type in
+/// it before its first message as they may send to it: the typing is relayed, and no error
+/// answers it. A chat whose peer was never registered is `not_found`; a chat of two other
+/// users is not the typist's (`not_member`).
+#[tokio::test]
+async fn typing_in_a_single_chat_before_its_first_message_is_relayed() {
+    let s = spawn_server().await;
+    let (ta, tb, tc) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let mut a = s.ws(&ta, "a").await;
+    let mut b = s.ws(&tb, "b").await;
+    let mut c = s.ws(&tc, "c").await;
+    a.send(&json!({"type": "typing", "req": 1, "conversation_id": "111-222"}))
+        .await
+        .unwrap();
+    let t = b
+        .recv_until(WAIT, |v| v["type"] == "typing")
+        .await
+        .unwrap()
+        .expect("typing relayed before any message");
+    assert_eq!(t["conversation_id"], "111-222");
+    assert_eq!(t["user_id"], 111);
+    // Frames are answered in order: had the typing been refused, its error would come
+    // before the pong.
+    a.send(&json!({"type": "ping", "req": 2})).await.unwrap();
+    let next = a.recv(WAIT).await.unwrap().expect("a frame");
+    assert_eq!(
+        (next["type"].as_str(), next["req"].as_i64()),
+        (Some("pong"), Some(2)),
+        "{next}"
+    );
+    let e = request(
+        &mut a,
+        json!({"type": "typing", "conversation_id": "111-999999"}),
+        3,
+    )
+    .await;
+    assert_eq!(
+        (e["type"].as_str(), e["code"].as_str()),
+        (Some("error"), Some("not_found")),
+        "{e}"
+    );
+    let e = request(
+        &mut c,
+        json!({"type": "typing", "conversation_id": "111-222"}),
+        4,
+    )
+    .await;
+    assert_eq!(
+        (e["type"].as_str(), e["code"].as_str()),
+        (Some("error"), Some("not_member")),
+        "{e}"
+    );
+    no_frame_of(&mut b, "typing", 200).await;
+    // Nothing was stored: the chat is still in nobody's list.
+    assert!(listed(&s.anon().with_bearer(ta)).await.is_empty());
+}
+
+/// PROTOCOL-EXTENSIONS.md: "a refused one answers an `error` frame with its `req`", every
+/// time: only a relayed typing counts for the once-a-second limit, so an outsider's second
+/// typing within the second is refused aloud too, not dropped.
+#[tokio::test]
+async fn a_refused_typing_frame_is_answered_every_time() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    let g = new_group(&alice, &[222]).await;
+    let te = s.token(555).await;
+    let mut e = s.ws(&te, "e").await;
+    for req in [1, 2] {
+        e.send(&json!({"type": "typing", "req": req, "conversation_id": g}))
+            .await
+            .unwrap();
+    }
+    e.send(&json!({"type": "ping", "req": 3})).await.unwrap();
+    // Everything answered before the pong (frames are answered in order).
+    let mut answers = Vec::new();
+    loop {
+        let f = e
+            .recv(WAIT)
+            .await
+            .unwrap()
+            .expect("a frame before the pong");
+        if f["type"] == "pong" {
+            break;
+        }
+        answers.push(json!({"type": f["type"], "code": f["code"], "req": f["req"]}));
+    }
+    assert_eq!(
+        answers,
+        vec![
+            json!({"type": "error", "code": "not_member", "req": 1}),
+            json!({"type": "error", "code": "not_member", "req": 2}),
+        ]
+    );
+}

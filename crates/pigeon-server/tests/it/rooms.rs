@@ -176,3 +176,39 @@ async fn a_user_with_two_connections_is_in_one_room() {
     let _ = request(&mut phone, json!({"type": "ping"}), 5).await;
     assert_eq!(viewers(&s, &r1).await, 1);
 }
+
+/// PROTOCOL.md 7: `GET /v1/rooms/{id}` gives "the most recent messages": a message is there
+/// as soon as its `room_send` is handled, not only after the next batch to the viewers
+/// (every 100 ms, PROTOCOL-EXTENSIONS.md).
+#[tokio::test]
+async fn a_room_message_is_in_recent_as_soon_as_it_is_sent() {
+    let s = spawn_server().await;
+    let room = s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let onlooker = s.user(3).await;
+    let t = s.token(1).await;
+    let mut ws = s.ws(&t, "a").await;
+    ws.send(&json!({"type": "room_join", "room_id": room}))
+        .await
+        .unwrap();
+    // A few rounds: one read that happened to follow a batch would pass by luck.
+    for round in 1..=5i64 {
+        let content = format!("now-{round}");
+        ws.send(&json!({"type": "room_send", "room_id": room, "content": content}))
+            .await
+            .unwrap();
+        // The pong comes once the join and the send were handled.
+        let pong = request(&mut ws, json!({"type": "ping"}), round).await;
+        assert_eq!(pong["type"], "pong");
+        let info = onlooker.get(&format!("/v1/rooms/{room}")).await.unwrap();
+        let recent: Vec<&str> = info["recent"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["content"].as_str().unwrap())
+            .collect();
+        assert!(recent.contains(&content.as_str()), "round {round}: {info}");
+    }
+}
