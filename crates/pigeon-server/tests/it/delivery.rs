@@ -225,6 +225,37 @@ async fn unacknowledged_pushes_are_resent_and_acknowledged_ones_are_not() {
     assert!((2..=4).contains(&sends), "sent {sends} times");
 }
 
+/// PROTOCOL.md 4: the server "remembers each device's acknowledged position", so a device
+/// that reconnects resumes where it stopped, also when its socket dropped without the close
+/// handshake and it reconnects at once: the dropped connection saves its acks as it ends,
+/// and the new one's first sync waits behind them (a barrier; on an idle server the new
+/// connection's own reads at connect already wait for the tables, so this pins the outcome
+/// rather than that barrier).
+#[tokio::test]
+async fn a_device_whose_socket_dropped_resumes_from_its_last_ack() {
+    let s = spawn_server().await;
+    let alice = s.user(1).await;
+    let tb = s.token(2).await;
+    for i in 0..12 {
+        alice
+            .post("/v1/messages", &text_to_user(&format!("d{i}"), 2, "x"))
+            .await
+            .unwrap();
+    }
+    for (round, acked) in [3u64, 5, 8, 9, 12].into_iter().enumerate() {
+        let mut ws = s.ws(&tb, "phone").await;
+        ws.send(&json!({"type": "ack", "user_seq": acked}))
+            .await
+            .unwrap();
+        // No close frame: the socket just goes.
+        drop(ws);
+        let mut again = s.ws(&tb, "phone").await;
+        let r = request(&mut again, json!({"type": "sync"}), 1).await;
+        assert_eq!(r["cursor"], acked, "round {round}: {r}");
+        again.close().await;
+    }
+}
+
 #[tokio::test]
 async fn acks_move_the_device_cursor_forward_only_even_when_they_race() {
     let s = spawn_server().await;
