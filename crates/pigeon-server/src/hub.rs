@@ -71,12 +71,6 @@ pub enum KillReason {
 }
 
 impl Outbox {
-    /// The same for every clone of one connection's outbox, and different from any other
-    /// open one's (its address): to count connections without a map.
-    pub fn key(&self) -> usize {
-        Arc::as_ptr(&self.0) as usize
-    }
-
     pub fn new() -> (Outbox, OutboxReader) {
         let shared = Arc::new(OutboxShared {
             state: Mutex::new(OutboxState::default()),

@@ -103,56 +103,6 @@ pub const BULK_PACE: Duration = Duration::from_millis(3);
 /// How long after the gate was last found shut bulk batches stay paced.
 pub const PACED_AFTER_SHUT: Duration = Duration::from_secs(1);
 
-/// Under a steady load, a batch is handed to the committer at most this often (counted
-/// from the previous hand-over, so a commit that takes longer is not held at all). What a
-/// batch costs beyond its commands (the journal's fsync, the thread hand-overs, waking the
-/// delivery task, and above all one socket write and one wake-up per connection that has a
-/// frame in it) is then shared by more commands: at mid rates the two CPUs were ~95 % busy,
-/// and the tail of every send's latency was the wait for one of them. The same idea as
-/// PostgreSQL's `commit_delay`; see BENCHMARKS.md, thirteenth session, for what it measured.
-pub const COMMIT_PACE: Duration = Duration::from_micros(2500);
-/// A batch is held for [`COMMIT_PACE`] only when commands from at least this many senders
-/// (connections, HTTP requests) arrived while the previous one committed: many senders are
-/// sending at once, so holding gathers more. Under a light load, or from a few senders
-/// whose windows of sends are in the batches already (nothing more comes from them until
-/// they are answered: a script filling an inbox over one connection), no batch waits.
-pub const PACE_AFTER_SENDERS: usize = 24;
-
-/// When the open batch may be handed over (see [`COMMIT_PACE`]).
-#[derive(Default)]
-struct CommitPace {
-    /// When the last batch was handed over.
-    handed_at: Option<Instant>,
-    /// Set when that batch's commit ended with commands from [`PACE_AFTER_SENDERS`]
-    /// senders waiting.
-    hold_until: Option<Instant>,
-    /// The commands that arrived during the hold were decided into the batch.
-    topped_up: bool,
-}
-
-impl CommitPace {
-    fn handed(&mut self, now: Instant) {
-        *self = CommitPace {
-            handed_at: Some(now),
-            ..CommitPace::default()
-        };
-    }
-
-    /// The committer is done with the last batch; commands from `senders` senders came
-    /// meanwhile.
-    fn committed(&mut self, senders: usize, strained: impl FnOnce() -> bool) {
-        self.hold_until = self
-            .handed_at
-            .filter(|_| senders >= PACE_AFTER_SENDERS && strained())
-            .map(|t| t + COMMIT_PACE);
-    }
-
-    /// Until when the open batch is held, if it still is.
-    fn holding(&self, now: Instant) -> Option<Instant> {
-        self.hold_until.filter(|t| *t > now)
-    }
-}
-
 /// What decides whether bulk work must wait for its pace ([`BULK_PACE`]).
 struct Pacing {
     /// When a batch last took bulk work.
@@ -624,7 +574,6 @@ async fn decide(
     let mut bulk_taken_at: Option<Instant> = None;
     // When the gate was last found shut: for a while after, bulk batches are paced too.
     let mut gate_shut_at: Option<Instant> = None;
-    let mut pace = CommitPace::default();
     loop {
         // Caches past their bound are dropped only when nothing decided is uncommitted and
         // the tables hold every batch (until then the cache is the only place that shows
@@ -683,21 +632,9 @@ async fn decide(
         // With the store idle and a batch ready, the batch goes first (the select below):
         // deciding more before it would keep the store waiting as long as commands arrive.
         let store_idle_and_empty = in_flight == 0 && open.is_empty();
-        // A full batch is not held: nothing more could join it.
-        let held_until = pace.holding(Instant::now()).filter(|_| room > 0);
-        // A batch that was held takes what arrived meanwhile, once, as it goes.
-        let held_batch_goes = in_flight == 0
-            && !open.is_empty()
-            && pace.hold_until.is_some()
-            && held_until.is_none()
-            && !pace.topped_up;
         if !arrived.is_empty()
-            && (store_idle_and_empty
-                || held_batch_goes
-                || arrived.len() >= DECIDE_CHUNK
-                || room == 0)
+            && (store_idle_and_empty || arrived.len() >= DECIDE_CHUNK || room == 0)
         {
-            pace.topped_up |= held_batch_goes;
             if open.share.fast_sends > 0 {
                 fast_send_at = Some(Instant::now());
             }
@@ -719,18 +656,6 @@ async fn decide(
             biased;
             Some(o) = outcomes.recv() => {
                 in_flight -= 1;
-                pace.committed(
-                    distinct_senders(
-                        open.replies.iter().map(|(r, _)| r).chain(arrived.iter().map(|e| &e.reply)),
-                    ),
-                    || {
-                        let now = Instant::now();
-                        if !gate.is_open() {
-                            gate_shut_at = Some(now);
-                        }
-                        gate_shut_at.is_some_and(|t| now.saturating_duration_since(t) < PACED_AFTER_SHUT)
-                    },
-                );
                 if o.committed {
                     engine.committed(o.batch);
                 } else {
@@ -742,9 +667,7 @@ async fn decide(
             }
             // Handed over only when the committer is idle: until then the batch grows with
             // what arrives, so a busy store gets fewer, larger commits.
-            _ = tokio::time::sleep_until(held_until.unwrap_or_else(Instant::now).into()),
-                if held_until.is_some() && !open.is_empty() && in_flight == 0 => {}
-            permit = to_commit.reserve(), if !open.is_empty() && in_flight == 0 && held_until.is_none() => {
+            permit = to_commit.reserve(), if !open.is_empty() && in_flight == 0 => {
                 let Ok(permit) = permit else {
                     tracing::error!("the committer is gone");
                     open.refuse();
@@ -761,7 +684,6 @@ async fn decide(
                     }
                 }
                 let batch = engine.seal(&mut b.changes);
-                pace.handed(Instant::now());
                 permit.send(Decided {
                     batch,
                     changes: b.changes,
@@ -785,23 +707,6 @@ async fn decide(
                 if paced_until.is_some() && bulk_waiting && taking && in_flight == 0 => {}
         }
     }
-}
-
-/// How many senders `replies` answer: each connection once, each caller (an HTTP request)
-/// on its own; barriers and fire-and-forget commands are nobody's.
-fn distinct_senders<'a>(replies: impl Iterator<Item = &'a ReplyTo>) -> usize {
-    let mut callers = 0;
-    let mut connections: Vec<usize> = Vec::new();
-    for r in replies {
-        match r {
-            ReplyTo::Caller(_) => callers += 1,
-            ReplyTo::Connection { outbox, .. } => connections.push(outbox.key()),
-            ReplyTo::AfterDelivery { .. } | ReplyTo::Nobody => {}
-        }
-    }
-    connections.sort_unstable();
-    connections.dedup();
-    callers + connections.len()
 }
 
 /// How long bulk work waited before a batch took it (the commit in flight, the gate, single
