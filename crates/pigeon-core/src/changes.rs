@@ -97,7 +97,9 @@ pub struct MessageUpdate {
 /// one journal record; the tables get it later, with other batches).
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Changes {
-    pub users: Vec<(UserId, String, String, i64)>,
+    /// Registrations: name and avatar, each `None` when kept as it is (journal records
+    /// written before that was possible hold both).
+    pub users: Vec<(UserId, Option<String>, Option<String>, i64)>,
     pub logouts: Vec<UserId>,
     /// Final state of every conversation the batch touched (the row is upserted).
     pub conversations: Vec<ConversationRow>,

@@ -79,10 +79,12 @@ pub struct SettingsPatch {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
+    /// Registers a user, or updates one: a field left `None` keeps what the user has (`""`
+    /// for a new one).
     UpsertUser {
         user: UserId,
-        name: String,
-        avatar: String,
+        name: Option<String>,
+        avatar: Option<String>,
     },
     Logout {
         user: UserId,

@@ -78,15 +78,22 @@ pub struct ServeArgs {
 }
 
 /// A listen address: an IP address and port, or a host name and port (`localhost:8080`),
-/// resolved once at start to its first address.
+/// resolved once at start to one address: its first IPv4 one if it has any (clients of
+/// `localhost` mostly try 127.0.0.1), else its first.
 pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
     use std::net::ToSocketAddrs;
     if let Ok(addr) = s.parse() {
         return Ok(addr);
     }
-    s.to_socket_addrs()
+    let addrs: Vec<SocketAddr> = s
+        .to_socket_addrs()
         .map_err(|e| format!("{s:?} is not an address (IP:port or host:port): {e}"))?
-        .next()
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
         .ok_or_else(|| format!("{s:?} resolves to no address"))
 }
 

@@ -305,26 +305,33 @@ impl Hub {
         })
     }
 
+    /// Registers a connection of `user`'s `device`; also answers whether another connection
+    /// of that device was registered (one that may still be saving its acknowledged
+    /// positions as it ends).
     pub fn register(
         self: &Arc<Self>,
         user: UserId,
         device: DeviceId,
         outbox: Outbox,
-    ) -> Registration {
+    ) -> (Registration, bool) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.shard(user)
-            .write()
-            .expect("hub shard lock")
-            .entry(user)
-            .or_default()
-            .push(Conn { id, device, outbox });
+        let device_was_connected = {
+            let mut shard = self.shard(user).write().expect("hub shard lock");
+            let conns = shard.entry(user).or_default();
+            let was = conns.iter().any(|c| c.device == device);
+            conns.push(Conn { id, device, outbox });
+            was
+        };
         self.connections.fetch_add(1, Ordering::Relaxed);
         metrics::gauge!("pigeon_connections").increment(1.0);
-        Registration {
-            hub: self.clone(),
-            user,
-            id,
-        }
+        (
+            Registration {
+                hub: self.clone(),
+                user,
+                id,
+            },
+            device_was_connected,
+        )
     }
 
     /// Calls `f` with each connected device of `user`.

@@ -1060,8 +1060,8 @@ mod tests {
             pipeline
                 .call(Command::UpsertUser {
                     user: user(n),
-                    name: format!("u{n}"),
-                    avatar: String::new(),
+                    name: Some(format!("u{n}")),
+                    avatar: Some(String::new()),
                 })
                 .await
                 .unwrap();

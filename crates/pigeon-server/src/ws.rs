@@ -298,7 +298,8 @@ async fn run(
     socket: Halves,
 ) {
     let (outbox, mut out_rx) = Outbox::new();
-    let registration = app.hub.register(user, device.clone(), outbox.clone());
+    let (registration, device_was_connected) =
+        app.hub.register(user, device.clone(), outbox.clone());
     let mut shutdown = app.shutdown.subscribe();
     let (mut sink, mut stream) = socket;
     let now = Instant::now();
@@ -310,13 +311,13 @@ async fn run(
         unacked: BTreeMap::new(),
         cursors: HashMap::new(),
         cursors_dirty: false,
-        // As if this connection had sent already: its first `sync` or `pull` (or answer
-        // given at once) first passes a barrier, behind the acknowledged positions that
-        // another connection of this device saved as it ended. A client whose socket
-        // dropped, without the close handshake, and who reconnects at once resumes where
-        // it stopped.
+        // With another connection of this device still registered (ending: a socket that
+        // dropped without the close handshake, and a client that reconnected at once), as
+        // if this one had sent already: its first `sync` or `pull` (or answer given at
+        // once) passes a barrier behind the acknowledged positions that one saves as it
+        // ends. (One no longer registered has saved them.)
         sent_since_barrier: SentOn {
-            fast: true,
+            fast: device_was_connected,
             bulk: false,
         },
         last_cursor_flush: now,
@@ -469,6 +470,8 @@ async fn run(
                     Box::pin(conn.wait_for_own_sends()).await;
                 }
                 if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
+                    // What was queued before still goes first.
+                    feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
                     for r in replies {
                         let _ = sink.feed(codec.message(r.into())).await;
                     }
@@ -779,7 +782,11 @@ impl Connection {
                         if self.typing_last.len() > 256 {
                             self.typing_last.clear();
                         }
-                        let refused = result.as_ref().err().map(|e| e.code);
+                        // Only a lasting refusal is remembered, not a store that failed.
+                        let refused =
+                            result.as_ref().err().map(|e| e.code).filter(|c| {
+                                matches!(c, ErrorCode::NotMember | ErrorCode::NotFound)
+                            });
                         self.typing_last
                             .insert(t.conversation_id.clone(), (now, refused));
                         result.map(|()| Vec::new())

@@ -645,7 +645,12 @@ mod tests {
     /// A batch that creates or renames user `id` at time `at`.
     fn user_named_at(id: u64, name: &str, at: i64) -> Changes {
         Changes {
-            users: vec![(UserId::new(id).unwrap(), name.into(), String::new(), at)],
+            users: vec![(
+                UserId::new(id).unwrap(),
+                Some(name.into()),
+                Some(String::new()),
+                at,
+            )],
             ..Changes::default()
         }
     }
@@ -1036,7 +1041,7 @@ mod tests {
         assert_eq!(user_name(&store, 3).await.as_deref(), Some("three"));
         let kept = dir.join("journal").join(format!("rejected-{:020}.json", 2));
         let back: Changes = serde_json::from_slice(&std::fs::read(kept).unwrap()).unwrap();
-        assert_eq!(back.users[0].1, "two");
+        assert_eq!(back.users[0].1.as_deref(), Some("two"));
         drop(store);
         std::fs::remove_dir_all(dir).unwrap();
     }
@@ -1108,8 +1113,8 @@ mod tests {
                 id += 1;
                 batch.users.push((
                     UserId::new(id).unwrap(),
-                    format!("user {id} {}", "x".repeat(100)),
-                    String::new(),
+                    Some(format!("user {id} {}", "x".repeat(100))),
+                    Some(String::new()),
                     1,
                 ));
             }
@@ -1319,6 +1324,114 @@ mod tests {
     }
 
     #[test]
+    fn a_registration_that_leaves_a_field_out_keeps_it() {
+        let dir = temp_dir("partial-user");
+        let mut c = Connection::open(dir.join("pigeon.db")).unwrap();
+        schema::migrate(&mut c).unwrap();
+        let u = UserId::new(1).unwrap();
+        let tx = c.transaction().unwrap();
+        write::apply(
+            &tx,
+            &[
+                &user_named_at(1, "ann", 10),
+                &Changes {
+                    users: vec![(u, None, Some("a.png".into()), 20)],
+                    ..Changes::default()
+                },
+                &Changes {
+                    users: vec![(UserId::new(2).unwrap(), None, None, 30)],
+                    ..Changes::default()
+                },
+            ],
+        )
+        .unwrap();
+        tx.commit().unwrap();
+        let row = |id: i64| -> (String, String) {
+            c.query_row(
+                "SELECT name, avatar FROM users WHERE user_id = ?1",
+                [id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+        };
+        assert_eq!(row(1), ("ann".to_string(), "a.png".to_string()));
+        assert_eq!(row(2), (String::new(), String::new()));
+        drop(c);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// An edit and a deletion for everyone that the applier takes in one transaction: the
+    /// deletion wipes the versions the edit wrote (they are inserted before the updates).
+    #[test]
+    fn a_deletion_wipes_what_an_edit_in_the_same_apply_wrote() {
+        use pigeon_core::changes::MessageUpdate;
+        use pigeon_proto::{MessageKind, MessageStatus};
+        let dir = temp_dir("wipe");
+        let mut c = Connection::open(dir.join("pigeon.db")).unwrap();
+        schema::migrate(&mut c).unwrap();
+        let u = UserId::new(7).unwrap();
+        let msg = MsgId::new(99).unwrap();
+        let sent = Changes {
+            messages: vec![Message {
+                msg_id: msg,
+                conversation_id: "g42".into(),
+                seq: 1,
+                sender: u,
+                client_msg_id: None,
+                kind: MessageKind::Text,
+                content: "first".into(),
+                extra: serde_json::json!({"card": 1}),
+                reply_to: None,
+                mentions: vec![8],
+                status: MessageStatus::Normal,
+                version: 1,
+                created_at: 10,
+                edited_at: None,
+            }],
+            ..Changes::default()
+        };
+        let update = |status, version, content: &str, wipe| MessageUpdate {
+            msg_id: msg,
+            status,
+            version,
+            content: Some(content.into()),
+            edited_at: Some(11),
+            recalled: None,
+            wipe,
+        };
+        let edited = Changes {
+            message_updates: vec![update(MessageStatus::Normal, 2, "second", false)],
+            versions: vec![(msg, 1, "first".into(), 10), (msg, 2, "second".into(), 11)],
+            ..Changes::default()
+        };
+        let deleted = Changes {
+            message_updates: vec![update(MessageStatus::Deleted, 2, "", true)],
+            ..Changes::default()
+        };
+        let tx = c.transaction().unwrap();
+        write::apply(&tx, &[&sent, &edited, &deleted]).unwrap();
+        tx.commit().unwrap();
+        let row: (String, String, Option<String>, Option<String>) = c
+            .query_row(
+                "SELECT status, content, extra, mentions FROM messages WHERE msg_id = 99",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .unwrap();
+        assert_eq!(row, ("deleted".to_string(), String::new(), None, None));
+        let versions: Vec<String> = c
+            .prepare("SELECT content FROM message_versions WHERE msg_id = 99 ORDER BY version")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(versions, vec![String::new(), String::new()]);
+        drop(c);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
     fn a_batch_survives_the_journal_encoding_whole() {
         use pigeon_core::changes::{ConversationRow, InboxRow, MemberRow, MessageUpdate};
         use pigeon_core::state::MemberState;
@@ -1328,7 +1441,7 @@ mod tests {
         let conv = ConversationId::parse("g42").unwrap();
         let msg = MsgId::new(99).unwrap();
         let mut changes = Changes {
-            users: vec![(u, "n".into(), "a".into(), 5)],
+            users: vec![(u, Some("n".into()), Some("a".into()), 5)],
             logouts: vec![u],
             conversations: vec![ConversationRow {
                 id: conv.clone(),

@@ -126,6 +126,14 @@ const MIGRATIONS: &[&str] = &[
     // older store holds, once, at open. The index was a sixth of the applier's CPU and of
     // the tables' bytes, written for every message, for a query that is rare.
     r#"DROP INDEX IF EXISTS messages_by_time;"#,
+    // 4: a message deleted for everyone keeps nothing of its content: its payload, mentions
+    // and earlier versions go too (PROTOCOL.md 6, "content gone"). Deletions from now on
+    // write it so; this does it for the ones made before.
+    r#"
+    UPDATE messages SET extra = NULL, mentions = NULL WHERE status = 'deleted';
+    UPDATE message_versions SET content = ''
+        WHERE msg_id IN (SELECT msg_id FROM messages WHERE status = 'deleted');
+    "#,
 ];
 
 /// Brings `conn`'s schema to the newest version, one transaction per migration.

@@ -146,9 +146,12 @@ pub fn apply(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()> {
 pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()> {
     let every = || batches.iter().copied();
     {
+        // A field not given (NULL) keeps what the user has: `""` for a new one.
         let mut st = tx.prepare_cached(
-            "INSERT INTO users (user_id, name, avatar, token_gen, created_at, updated_at) VALUES (?1, ?2, ?3, 0, ?4, ?4) \
-             ON CONFLICT (user_id) DO UPDATE SET name = excluded.name, avatar = excluded.avatar, updated_at = excluded.updated_at",
+            "INSERT INTO users (user_id, name, avatar, token_gen, created_at, updated_at) \
+             VALUES (?1, coalesce(?2, ''), coalesce(?3, ''), 0, ?4, ?4) \
+             ON CONFLICT (user_id) DO UPDATE SET name = coalesce(?2, name), avatar = coalesce(?3, avatar), \
+             updated_at = excluded.updated_at",
         )?;
         for (u, name, avatar, now) in every().flat_map(|ch| &ch.users) {
             st.execute(params![u.get() as i64, name, avatar, now])?;

@@ -27,45 +27,30 @@ pub struct UpsertUser {
     avatar: Option<String>,
 }
 
-/// What a registration sets: the fields given, and for those left out what the user has.
-struct UserFields {
-    user_id: UserId,
-    name: String,
-    avatar: String,
-}
-
 pub async fn upsert_user(
     _: Admin,
     State(app): State<AppRef>,
-    ApiJson(given): ApiJson<UpsertUser>,
+    ApiJson(b): ApiJson<UpsertUser>,
 ) -> ApiResult<Json<UserView>> {
-    // "Repeat = update": a repeat that leaves a field out does not erase it.
-    let stored = if given.name.is_none() || given.avatar.is_none() {
-        app.store.user(given.user_id).await?
-    } else {
-        None
-    };
-    let b = UserFields {
-        user_id: given.user_id,
-        name: given
-            .name
-            .or_else(|| stored.as_ref().map(|u| u.name.clone()))
-            .unwrap_or_default(),
-        avatar: given
-            .avatar
-            .or_else(|| stored.as_ref().map(|u| u.avatar.clone()))
-            .unwrap_or_default(),
-    };
-    if b.name.chars().count() > MAX_NAME_CHARS {
+    if b.name
+        .as_ref()
+        .is_some_and(|n| n.chars().count() > MAX_NAME_CHARS)
+    {
         return Err(ApiError::invalid(format!(
             "name is longer than {MAX_NAME_CHARS} characters"
         )));
     }
-    if b.avatar.chars().count() > MAX_AVATAR_CHARS {
+    if b.avatar
+        .as_ref()
+        .is_some_and(|a| a.chars().count() > MAX_AVATAR_CHARS)
+    {
         return Err(ApiError::invalid(format!(
             "avatar is longer than {MAX_AVATAR_CHARS} characters"
         )));
     }
+    // "Repeat = update": a field left out keeps what the user has, merged where the row is
+    // written, so two updates of different fields both hold.
+    let partial = b.name.is_none() || b.avatar.is_none();
     app.pipeline
         .call(Command::UpsertUser {
             user: b.user_id,
@@ -73,10 +58,23 @@ pub async fn upsert_user(
             avatar: b.avatar.clone(),
         })
         .await?;
+    if partial {
+        // The user as now stored (a read waits for the batch just committed).
+        let u = app
+            .store
+            .user(b.user_id)
+            .await?
+            .ok_or_else(|| ApiError::not_found("user"))?;
+        return Ok(Json(UserView {
+            user_id: u.user_id,
+            name: u.name,
+            avatar: u.avatar,
+        }));
+    }
     Ok(Json(UserView {
         user_id: b.user_id,
-        name: b.name,
-        avatar: b.avatar,
+        name: b.name.unwrap_or_default(),
+        avatar: b.avatar.unwrap_or_default(),
     }))
 }
 

@@ -246,6 +246,10 @@ pub async fn members(
     if m.left_seq.is_some() {
         return Err(ApiError::not_member());
     }
+    // After the membership check, like the group changes: only a member learns this.
+    if !conv.is_group() {
+        return Err(ApiError::invalid("not a group"));
+    }
     let limit = q.limit.unwrap_or(100);
     if limit == 0 {
         return Err(ApiError::invalid("limit must be at least 1"));

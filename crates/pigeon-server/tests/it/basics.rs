@@ -649,6 +649,66 @@ async fn minted_tokens_expire_ttl_secs_after_now() {
     }
 }
 
+/// PROTOCOL-EXTENSIONS.md: a repeat of `POST /v1/admin/users` that leaves `name` or
+/// `avatar` out keeps what the user has, and answers the user as stored; updates of
+/// different fields racing each other both hold (they are merged where the row is written).
+#[tokio::test]
+async fn registering_a_user_again_keeps_the_fields_left_out() {
+    let s = spawn_server().await;
+    s.admin
+        .post(
+            "/v1/admin/users",
+            &json!({"user_id": 222, "name": "Bob", "avatar": "b.png"}),
+        )
+        .await
+        .unwrap();
+    let u = s
+        .admin
+        .post(
+            "/v1/admin/users",
+            &json!({"user_id": 222, "avatar": "c.png"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (u["name"].as_str(), u["avatar"].as_str()),
+        (Some("Bob"), Some("c.png"))
+    );
+    let (rename, new_avatar) = (
+        json!({"user_id": 222, "name": "Robert"}),
+        json!({"user_id": 222, "avatar": "d.png", "name": null}),
+    );
+    let (a, b) = tokio::join!(
+        s.admin.post("/v1/admin/users", &rename),
+        s.admin.post("/v1/admin/users", &new_avatar),
+    );
+    a.unwrap();
+    b.unwrap();
+    let u = s
+        .admin
+        .post("/v1/admin/users", &json!({"user_id": 222}))
+        .await
+        .unwrap();
+    assert_eq!(
+        (u["name"].as_str(), u["avatar"].as_str()),
+        (Some("Robert"), Some("d.png"))
+    );
+    // A new user registered with nothing but an id.
+    let u = s
+        .admin
+        .post("/v1/admin/users", &json!({"user_id": 333}))
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            u["user_id"].as_u64(),
+            u["name"].as_str(),
+            u["avatar"].as_str()
+        ),
+        (Some(333), Some(""), Some(""))
+    );
+}
+
 /// PROTOCOL.md 6: `POST /v1/admin/users` answers "the user; repeat = update": a second call
 /// for the same id renames the user, and a single chat shows the peer's new name (a single
 /// chat's `name` is the peer's registered name, PROTOCOL-EXTENSIONS.md).
