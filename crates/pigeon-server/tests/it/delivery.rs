@@ -228,8 +228,8 @@ async fn unacknowledged_pushes_are_resent_and_acknowledged_ones_are_not() {
 /// PROTOCOL.md 4: the server "remembers each device's acknowledged position", so a device
 /// that reconnects resumes where it stopped, also when its socket dropped without the close
 /// handshake and it reconnects at once: the dropped connection saves its acks as it ends,
-/// and the new one's first sync waits behind them (a barrier; on an idle server the new
-/// connection's own reads at connect already wait for the tables, so this pins the outcome
+/// and the new one's first sync waits behind them when the old one is still registered (a
+/// barrier; on an idle server the old one is usually gone by then, so this pins the outcome
 /// rather than that barrier).
 #[tokio::test]
 async fn a_device_whose_socket_dropped_resumes_from_its_last_ack() {
