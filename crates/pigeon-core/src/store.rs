@@ -185,6 +185,13 @@ pub trait Store: Send + Sync + 'static {
     async fn versions(&self, msg_id: MsgId) -> Result<Vec<VersionView>, StoreError>;
     async fn is_hidden_for(&self, user: UserId, msg_id: MsgId) -> Result<bool, StoreError>;
     async fn inbox_head(&self, user: UserId) -> Result<u64, StoreError>;
+    /// What a connecting device starts from: `user`'s inbox head and token generation
+    /// (`None`: no such user). In one read where the store can: every connection makes it.
+    async fn connect_state(&self, user: UserId) -> Result<(u64, Option<u64>), StoreError> {
+        let head = self.inbox_head(user).await?;
+        let token_gen = self.user(user).await?.map(|u| u.token_gen);
+        Ok((head, token_gen))
+    }
     /// Inbox entries `from ..= to`, at most `limit`, ascending, as `user` sees them; and
     /// whether the inbox holds more after the last one up to `to`.
     async fn pull_inbox(

@@ -328,27 +328,19 @@ async fn run(
         conn_id: registration.id(),
         room: None,
     };
-    let head = match app.store.inbox_head(user).await {
-        Ok(h) => h,
+    // The inbox head for `hello`, and the user's token generation in the same read: a
+    // logout committed between the token's check and the registration above kicked no
+    // connection of this one, and the store, read after registering, tells (a later logout
+    // finds it registered). No await inside the match (its scrutinee would be held across
+    // it, in every connection's task).
+    let state = match app.store.connect_state(user).await {
+        Ok((head, stored_gen)) => Some((head, stored_gen == Some(token_gen))),
         Err(e) => {
-            tracing::error!(error = %e, %user, "cannot read inbox head; closing");
-            let _ = sink.send(close(1011, "unavailable")).await;
-            return;
-        }
-    };
-    // A logout committed between the token's check and the registration above kicked no
-    // connection of this one: read after registering, the store tells (a later logout
-    // finds it registered).
-    // No await inside the match: its scrutinee (a whole user record) would be held across
-    // it, in every connection's task.
-    let current = match app.store.user(user).await {
-        Ok(u) => Some(u.is_some_and(|u| u.token_gen == token_gen)),
-        Err(e) => {
-            tracing::error!(error = %e, %user, "cannot read the user; closing");
+            tracing::error!(error = %e, %user, "cannot read the inbox head; closing");
             None
         }
     };
-    let Some(current) = current else {
+    let Some((head, current)) = state else {
         let _ = sink.send(close(1011, "unavailable")).await;
         return;
     };

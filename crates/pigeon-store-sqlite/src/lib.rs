@@ -566,6 +566,14 @@ impl Store for SqliteStore {
         self.read(move |c| read::inbox_head(c, user)).await
     }
 
+    async fn connect_state(&self, user: UserId) -> Result<(u64, Option<u64>), StoreError> {
+        self.read(move |c| {
+            let head = read::inbox_head(c, user)?;
+            Ok((head, read::user(c, user)?.map(|u| u.token_gen)))
+        })
+        .await
+    }
+
     async fn pull_inbox(
         &self,
         user: UserId,
