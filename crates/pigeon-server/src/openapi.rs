@@ -300,7 +300,10 @@ fn request_schema(method: &str, path: &str) -> Option<Value> {
     let ids = json!({"type": "array", "items": uid});
     Some(match (method, path) {
         ("post", "/v1/admin/users") => json!({"type": "object", "required": ["user_id"],
-            "properties": {"user_id": uid, "name": {"type": "string"}, "avatar": {"type": "string"}}}),
+            // Left out or null: kept as the user has it (PROTOCOL-EXTENSIONS.md).
+            "properties": {"user_id": uid,
+                "name": {"type": "string", "nullable": true, "maxLength": 128},
+                "avatar": {"type": "string", "nullable": true, "maxLength": 2048}}}),
         ("post", "/v1/admin/tokens") => json!({"type": "object", "required": ["user_id"],
             "properties": {"user_id": uid, "ttl_secs": {"type": "integer", "minimum": 1, "nullable": true}}}),
         ("post", "/v1/messages") => {

@@ -509,3 +509,65 @@ async fn listen_takes_a_host_name_and_port() {
     assert_eq!(status, 200);
     child.kill().await.unwrap();
 }
+
+/// PROTOCOL.md 2: "flags win over the environment, which wins over the file".
+/// `settings_come_from_flags_over_env_over_file` pins the environment over the file; this
+/// pins the flag over the environment. `--listen` names a free port while `PIGEON_LISTEN`
+/// names port 1, where the server cannot serve: it must answer on the flag's port (`start`
+/// waits for `/readyz` there). `--max-content-bytes` and `PIGEON_MAX_CONTENT_BYTES` are set
+/// both ways round, so that neither the larger nor the smaller limit wins by itself: 50 bytes
+/// of content pass under a flag of 100 with the environment at 10, and are refused with
+/// `payload_too_large` under a flag of 10 with the environment at 100.
+#[tokio::test]
+async fn flags_win_over_the_environment() {
+    let content = "x".repeat(50);
+    for (tag, flag, env, passes) in [
+        ("flagenv-a", "100", "10", true),
+        ("flagenv-b", "10", "100", false),
+    ] {
+        let dir = temp_dir(tag);
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let mut p = start(
+            &dir,
+            port,
+            &[
+                "--admin-key",
+                KEY,
+                "--listen",
+                listen.as_str(),
+                "--max-content-bytes",
+                flag,
+            ],
+            &[
+                ("PIGEON_LISTEN", "127.0.0.1:1"),
+                ("PIGEON_MAX_CONTENT_BYTES", env),
+            ],
+        )
+        .await;
+        let admin = Http::new(p.base.clone()).with_bearer(KEY);
+        admin.upsert_user(1, "a").await.unwrap();
+        admin.upsert_user(2, "b").await.unwrap();
+        let user = Http::new(p.base.clone()).with_bearer(admin.mint_token(1, 60).await.unwrap());
+        let sent = user
+            .post(
+                "/v1/messages",
+                &json!({"client_msg_id": "between", "to": {"user": 2}, "kind": "text", "content": content}),
+            )
+            .await;
+        if passes {
+            let ack = sent.unwrap_or_else(|e| {
+                panic!("--max-content-bytes {flag} (env {env}) refused 50 bytes: {e}")
+            });
+            assert_eq!(ack["seq"], 1);
+        } else {
+            assert_eq!(
+                sent.unwrap_err().code(),
+                Some("payload_too_large"),
+                "--max-content-bytes {flag} (env {env}) let 50 bytes through"
+            );
+        }
+        p.child.kill().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -941,3 +941,44 @@ fn listen_addresses_take_a_host_name_and_port() {
         assert!(parse_listen(bad).is_err(), "{bad:?} is refused");
     }
 }
+
+/// PROTOCOL.md 3: "WebSocket: the same header, or `?token=<token>` in the URL for browsers".
+/// (A connection with only `?token=` is pinned by
+/// `websocket_accepts_the_token_in_the_query_and_says_hello`.) Neither PROTOCOL.md nor
+/// PROTOCOL-EXTENSIONS.md says which counts when an upgrade carries both; the server reads
+/// the `Authorization: Bearer` header and then does not look at the query. This pins that
+/// choice: with two valid tokens of different users, the header's user is connected; with a
+/// bad bearer token in the header, a good one in the query does not rescue the upgrade
+/// (401 `unauthorized`, as for any bad token).
+#[tokio::test]
+async fn with_a_token_in_both_the_header_and_the_query_the_header_decides() {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let s = spawn_server().await;
+    let (ta, tb) = (s.token(111).await, s.token(222).await);
+    let upgrade = |header: String, query_token: &str| {
+        let mut req = format!("{}/v1/ws?device_id=d&token={query_token}", s.ws_base)
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("authorization", header.parse().unwrap());
+        req
+    };
+    let ws = WsConn::connect_request(upgrade(format!("Bearer {ta}"), tb.as_str()))
+        .await
+        .expect("two valid tokens: let in");
+    assert_eq!(
+        ws.hello["user_id"], 111,
+        "the header's user, not the query's: {}",
+        ws.hello
+    );
+    match WsConn::connect_request(upgrade("Bearer not-a-token".to_owned(), ta.as_str())).await {
+        Err(pigeon_client::ClientError::Api { status, body }) => {
+            assert_eq!((status, body.code.as_str()), (401, "unauthorized"))
+        }
+        Err(e) => panic!("refused otherwise than with 401: {e}"),
+        Ok(ws) => panic!(
+            "a bad header token was passed over for the query's: {}",
+            ws.hello
+        ),
+    }
+}

@@ -727,3 +727,91 @@ async fn a_pull_mode_client_passing_user_seq_back_gets_every_message_once() {
     assert_eq!(got, expected);
     assert_eq!((user_seq, calls), (7, 4));
 }
+
+/// PROTOCOL.md 5.2: "The client acknowledges cumulatively, and may batch:
+/// `{"type":"ack","user_seq":10001}` covers every inbox message up to 10001;
+/// `{"type":"ack","conversation_id":"g7301","seq":57}` covers a read fan-out group up to 57",
+/// with PROTOCOL.md 4: "The server resends pushes that are not acknowledged within
+/// `push-retry-ms`". `unacknowledged_pushes_are_resent_and_acknowledged_ones_are_not` acks
+/// one inbox push by its own seq; this pins (1) that pushes of a read fan-out group (no
+/// `user_seq`) are resent too, the same frame, and (2) that one ack per chain naming only its
+/// newest seq stops the resends of the older pushes as well: a server that forgot only the
+/// exact seq named would send the older ones a third and a fourth time (up to 4 sends in
+/// all, PROTOCOL-EXTENSIONS.md) within the quiet second watched at the end.
+#[tokio::test]
+async fn one_cumulative_ack_per_chain_stops_the_resends_of_every_push_it_covers() {
+    let s = spawn_with(|c| {
+        c.push_retry_ms = 300;
+        c.fanout_write_max_members = 2;
+    })
+    .await;
+    let alice = s.user(1).await;
+    let tb = s.token(2).await;
+    let _ = s.user(3).await;
+    // Three members over a threshold of two: read fan-out.
+    let g = new_group(&alice, &[2, 3]).await;
+    let mut b = s.ws(&tb, "b").await;
+    for i in 1..=3 {
+        alice
+            .post("/v1/messages", &text_to_user(&format!("dm{i}"), 2, "x"))
+            .await
+            .unwrap();
+    }
+    for i in 1..=2 {
+        alice
+            .post("/v1/messages", &text_to_conv(&format!("gm{i}"), &g, "y"))
+            .await
+            .unwrap();
+    }
+    // The chain and position a push stands for: ("user", user_seq) for an inbox push, or
+    // (conversation, seq) for a read fan-out one.
+    let key = |p: &Value| match p.get("user_seq") {
+        Some(us) => ("user".to_owned(), us.as_u64().unwrap()),
+        None => (
+            p["message"]["conversation_id"].as_str().unwrap().to_owned(),
+            p["message"]["seq"].as_u64().unwrap(),
+        ),
+    };
+    let expected: std::collections::BTreeSet<(String, u64)> = [
+        ("user".to_owned(), 1),
+        ("user".to_owned(), 2),
+        ("user".to_owned(), 3),
+        (g.clone(), 2),
+        (g.clone(), 3),
+    ]
+    .into_iter()
+    .collect();
+    // Every push comes at least twice (its first send and a resend), the same frame each time.
+    let mut seen: std::collections::BTreeMap<(String, u64), (Value, u32)> = Default::default();
+    while !(seen.len() >= expected.len() && seen.values().all(|(_, n)| *n >= 2)) {
+        let p = next_msg(&mut b).await;
+        let entry = seen.entry(key(&p)).or_insert_with(|| (p.clone(), 0));
+        assert_eq!(entry.0, p, "a resend is the same frame");
+        entry.1 += 1;
+    }
+    assert_eq!(
+        seen.keys()
+            .cloned()
+            .collect::<std::collections::BTreeSet<_>>(),
+        expected
+    );
+    // One ack per chain, naming only the newest of its pushes.
+    b.send(&json!({"type": "ack", "user_seq": 3}))
+        .await
+        .unwrap();
+    b.send(&json!({"type": "ack", "conversation_id": g, "seq": 3}))
+        .await
+        .unwrap();
+    // The pong comes after both acks are handled (PROTOCOL-EXTENSIONS.md: a ping is a
+    // barrier); resends written before it are skipped here.
+    let pong = request(&mut b, json!({"type": "ping"}), 1).await;
+    assert_eq!(pong["type"], "pong");
+    let late = b
+        .recv_until(Duration::from_millis(1000), |v| v["type"] == "msg")
+        .await
+        .unwrap();
+    assert!(
+        late.is_none(),
+        "a push covered by a cumulative ack was resent: {late:?}"
+    );
+}

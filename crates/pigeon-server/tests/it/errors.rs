@@ -639,3 +639,85 @@ async fn a_text_frame_that_is_not_utf8_is_closed_with_1007() {
     };
     assert_eq!(code, Some(1007));
 }
+
+/// PROTOCOL.md 1: "`device_id`: 1-64 characters of `[A-Za-z0-9_-]`, chosen by the client".
+/// The upgrade (`GET /v1/ws?device_id=D`) lets in a device id of 64 characters of that set
+/// (and `hello` echoes it), and refuses, before upgrading, one of 65 characters, an empty one
+/// and ones with a character outside the set, with 400 `invalid_argument` (PROTOCOL.md 1:
+/// "bad ids"). `basics::websocket_upgrade_without_token_or_device_is_refused` covers only a
+/// missing `device_id`. The token is valid, so a refusal can only be for the device id.
+#[tokio::test]
+async fn the_upgrade_takes_device_ids_of_64_characters_of_the_set_and_refuses_others() {
+    let s = spawn_server().await;
+    let t = s.token(111).await;
+    let id64 = format!("Az09_-{}", "x".repeat(58));
+    assert_eq!(id64.len(), 64);
+    let ws = s.ws(&t, &id64).await;
+    assert_eq!(ws.hello["device_id"], id64.as_str());
+    // `WsConn::connect` puts the device id in the URL as given: these are query spellings
+    // (`%20` is a space, `%C3%A9` an `é`, `%2F` a `/`).
+    let id65 = "x".repeat(65);
+    for bad in [
+        id65.as_str(),
+        "",
+        "a.b",
+        "a%20b",
+        "caf%C3%A9",
+        "a%2Fb",
+        "a:b",
+    ] {
+        match WsConn::connect(&s.ws_base, &t, bad).await {
+            Err(pigeon_client::ClientError::Api { status, body }) => assert_eq!(
+                (status, body.code.as_str()),
+                (400, "invalid_argument"),
+                "device_id={bad}: {}",
+                body.message
+            ),
+            Err(e) => panic!("device_id={bad}: refused otherwise than with 400: {e}"),
+            Ok(ws) => panic!("device_id={bad} was let in: {}", ws.hello),
+        }
+    }
+}
+
+/// PROTOCOL.md 5: "`GET /v1/ws?device_id=D[&platform=ios|android|web|desktop][&token=T]`":
+/// each listed platform is let in, and a value outside the list is refused before the
+/// upgrade with 400 `invalid_argument` (a wrong field, PROTOCOL.md 1). The token and the
+/// device id are valid, so a refusal can only be for the platform.
+#[tokio::test]
+async fn the_upgrade_takes_the_listed_platforms_and_refuses_others() {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let s = spawn_server().await;
+    let t = s.token(111).await;
+    let upgrade = |platform: &str| {
+        let mut req = format!(
+            "{}/v1/ws?device_id=dev-{platform}&platform={platform}",
+            s.ws_base
+        )
+        .into_client_request()
+        .unwrap();
+        req.headers_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+        req
+    };
+    let mut held = Vec::new();
+    for platform in ["ios", "android", "web", "desktop"] {
+        let ws = WsConn::connect_request(upgrade(platform))
+            .await
+            .unwrap_or_else(|e| panic!("platform={platform} is refused: {e}"));
+        assert_eq!(ws.hello["type"], "hello");
+        assert_eq!(ws.hello["user_id"], 111);
+        held.push(ws);
+    }
+    for platform in ["windows", "tv"] {
+        match WsConn::connect_request(upgrade(platform)).await {
+            Err(pigeon_client::ClientError::Api { status, body }) => assert_eq!(
+                (status, body.code.as_str()),
+                (400, "invalid_argument"),
+                "platform={platform}: {}",
+                body.message
+            ),
+            Err(e) => panic!("platform={platform}: refused otherwise than with 400: {e}"),
+            Ok(ws) => panic!("platform={platform} was let in: {}", ws.hello),
+        }
+    }
+}
