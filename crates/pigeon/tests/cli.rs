@@ -108,7 +108,7 @@ async fn serve_with_no_configuration_generates_and_keeps_an_admin_key() {
 }
 
 #[tokio::test]
-async fn settings_come_from_flags_over_env_over_file() {
+async fn settings_come_from_the_environment_over_the_file() {
     let dir = temp_dir("cfg");
     let port = free_port();
     std::fs::write(
