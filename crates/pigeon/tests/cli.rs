@@ -511,7 +511,7 @@ async fn listen_takes_a_host_name_and_port() {
 }
 
 /// PROTOCOL.md 2: "flags win over the environment, which wins over the file".
-/// `settings_come_from_flags_over_env_over_file` pins the environment over the file; this
+/// `settings_come_from_the_environment_over_the_file` pins the environment over the file; this
 /// pins the flag over the environment. `--listen` names a free port while `PIGEON_LISTEN`
 /// names port 1, where the server cannot serve: it must answer on the flag's port (`start`
 /// waits for `/readyz` there). `--max-content-bytes` and `PIGEON_MAX_CONTENT_BYTES` are set
