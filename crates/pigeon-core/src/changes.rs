@@ -87,10 +87,6 @@ pub struct MessageUpdate {
     pub content: Option<String>,
     pub edited_at: Option<i64>,
     pub recalled: Option<(i64, UserId)>,
-    /// Deleted for everyone: its `extra`, `mentions` and every earlier version's content go
-    /// too, not only the current content (absent in journal records written before it).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub wipe: bool,
 }
 
 /// Everything one batch writes. Committed as one unit or not at all (in the embedded store,

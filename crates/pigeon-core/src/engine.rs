@@ -513,7 +513,6 @@ impl Engine {
                         content: Some(String::new()),
                         edited_at: msg.edited_at,
                         recalled: None,
-                        wipe: true,
                     });
                     self.messages.insert(self.batch, msg_id, Some(msg.clone()));
                 }
@@ -882,7 +881,6 @@ impl Engine {
             content: None,
             edited_at: msg.edited_at,
             recalled: Some((now, actor)),
-            wipe: false,
         });
         self.messages
             .insert(self.batch, msg_id, Some(updated.clone()));
@@ -939,7 +937,6 @@ impl Engine {
             content: Some(content),
             edited_at: Some(now),
             recalled: None,
-            wipe: false,
         });
         self.messages
             .insert(self.batch, msg_id, Some(updated.clone()));

@@ -89,12 +89,16 @@ pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
         .to_socket_addrs()
         .map_err(|e| format!("{s:?} is not an address (IP:port or host:port): {e}"))?
         .collect();
+    listen_choice(&addrs).ok_or_else(|| format!("{s:?} resolves to no address"))
+}
+
+/// Of the addresses a name resolves to, the first IPv4 one, else the first.
+fn listen_choice(addrs: &[SocketAddr]) -> Option<SocketAddr> {
     addrs
         .iter()
         .find(|a| a.is_ipv4())
         .or(addrs.first())
         .copied()
-        .ok_or_else(|| format!("{s:?} resolves to no address"))
 }
 
 fn listen_from_file<'de, D: serde::Deserializer<'de>>(
@@ -385,5 +389,14 @@ mod tests {
             assert!(err.contains("must be at least 1"), "{err}");
         }
         assert_eq!(Config::default().max_connections_per_user, 100);
+    }
+
+    #[test]
+    fn a_listen_name_binds_its_ipv4_address_when_it_has_one() {
+        let v6: SocketAddr = "[::1]:8080".parse().unwrap();
+        let v4: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        assert_eq!(listen_choice(&[v6, v4]), Some(v4));
+        assert_eq!(listen_choice(&[v6]), Some(v6));
+        assert_eq!(listen_choice(&[]), None);
     }
 }

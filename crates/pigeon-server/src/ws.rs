@@ -526,7 +526,6 @@ async fn run(
             return;
         }
         Stop::ClientClosed => {
-            Box::pin(conn.wait_for_own_sends()).await;
             Box::pin(conn.flush_cursors(true)).await;
             // The WebSocket queued its reply to the client's close frame; closing sends it.
             let _ = sink.close().await;
@@ -710,7 +709,7 @@ impl Connection {
                 Ok(Vec::new())
             }
             ClientFrame::Sync(f) => {
-                self.wait_for_own_sends().await;
+                // This connection's earlier commands and acks first.
                 self.flush_cursors(true).await;
                 let s = app.sync(self.user, &self.device, &f).await?;
                 let frame = ServerFrame::SyncResult {
@@ -722,7 +721,7 @@ impl Connection {
                 Ok(vec![frame.to_json()])
             }
             ClientFrame::Pull(f) => {
-                self.wait_for_own_sends().await;
+                // This connection's earlier commands and acks first.
                 self.flush_cursors(true).await;
                 let (items, has_more) = app.pull(self.user, &self.device, &f).await?;
                 Ok(vec![
@@ -774,13 +773,19 @@ impl Connection {
                         if self.typing_last.len() > 256 {
                             self.typing_last.clear();
                         }
-                        // Only a lasting refusal is remembered, not a store that failed.
-                        let refused =
-                            result.as_ref().err().map(|e| e.code).filter(|c| {
-                                matches!(c, ErrorCode::NotMember | ErrorCode::NotFound)
-                            });
-                        self.typing_last
-                            .insert(t.conversation_id.clone(), (now, refused));
+                        match result.as_ref().err().map(|e| e.code) {
+                            // A lasting refusal is remembered; a store that failed is asked
+                            // again next time.
+                            Some(code)
+                                if !matches!(code, ErrorCode::NotMember | ErrorCode::NotFound) =>
+                            {
+                                self.typing_last.remove(&t.conversation_id);
+                            }
+                            refused => {
+                                self.typing_last
+                                    .insert(t.conversation_id.clone(), (now, refused));
+                            }
+                        }
                         result.map(|()| Vec::new())
                     }
                 }
@@ -906,8 +911,16 @@ impl Connection {
         }
     }
 
-    /// Writes acknowledged positions to the store; `wait` when a read follows that must see them.
+    /// Writes acknowledged positions to the store; `wait` when a read follows that must see
+    /// them, or the connection ends: then the commands this connection queued before
+    /// (`wait_for_own_sends`) are committed first too.
     async fn flush_cursors(&mut self, wait: bool) {
+        if wait {
+            // What an earlier flush queued without waiting is committed first (a closing
+            // connection unregisters after this, and a new one of the device then trusts
+            // the store).
+            self.wait_for_own_sends().await;
+        }
         if !self.cursors_dirty {
             return;
         }

@@ -1398,22 +1398,21 @@ mod tests {
             }],
             ..Changes::default()
         };
-        let update = |status, version, content: &str, wipe| MessageUpdate {
+        let update = |status, version, content: &str| MessageUpdate {
             msg_id: msg,
             status,
             version,
             content: Some(content.into()),
             edited_at: Some(11),
             recalled: None,
-            wipe,
         };
         let edited = Changes {
-            message_updates: vec![update(MessageStatus::Normal, 2, "second", false)],
+            message_updates: vec![update(MessageStatus::Normal, 2, "second")],
             versions: vec![(msg, 1, "first".into(), 10), (msg, 2, "second".into(), 11)],
             ..Changes::default()
         };
         let deleted = Changes {
-            message_updates: vec![update(MessageStatus::Deleted, 2, "", true)],
+            message_updates: vec![update(MessageStatus::Deleted, 2, "")],
             ..Changes::default()
         };
         let tx = c.transaction().unwrap();
@@ -1435,6 +1434,58 @@ mod tests {
             .collect::<Result<_, _>>()
             .unwrap();
         assert_eq!(versions, vec![String::new(), String::new()]);
+        drop(c);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A journal record written by the previous version (a user's name and avatar always
+    /// both given; a deletion that did not yet say what it wipes) applies as it did, and
+    /// the deletion wipes what it must: journal records outlive the binary that wrote them.
+    #[test]
+    fn a_journal_record_of_the_previous_version_applies_the_same() {
+        let dir = temp_dir("old-record");
+        let mut c = Connection::open(dir.join("pigeon.db")).unwrap();
+        schema::migrate(&mut c).unwrap();
+        c.execute_batch(
+            "INSERT INTO users (user_id, name, avatar, token_gen, created_at, updated_at) VALUES (1, 'old', 'o.png', 0, 1, 1);
+             INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, extra, mentions, status, version, created_at)
+                 VALUES (99, 'g42', 1, 1, 'custom', 'x', '{\"card\":1}', '[1]', 'normal', 1, 10);
+             INSERT INTO message_versions (msg_id, version, content, at) VALUES (99, 1, 'x', 10);",
+        )
+        .unwrap();
+        let old = r#"{"users":[[1,"n","a",5]],"logouts":[],"conversations":[],"messages":[],"inbox":[],
+            "members":[],"message_updates":[{"msg_id":"99","status":"deleted","version":1,"content":"","edited_at":null,"recalled":null}],
+            "versions":[],"hidden_messages":[],"cursors":[]}"#;
+        let changes: Changes = serde_json::from_str(old).unwrap();
+        let tx = c.transaction().unwrap();
+        write::apply(&tx, &[&changes]).unwrap();
+        tx.commit().unwrap();
+        let user: (String, String) = c
+            .query_row(
+                "SELECT name, avatar FROM users WHERE user_id = 1",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(user, ("n".to_string(), "a".to_string()));
+        let msg: (String, String, Option<String>, Option<String>, String) = c
+            .query_row(
+                "SELECT m.status, m.content, m.extra, m.mentions, v.content FROM messages m \
+                 JOIN message_versions v ON v.msg_id = m.msg_id WHERE m.msg_id = 99",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+            )
+            .unwrap();
+        assert_eq!(
+            msg,
+            (
+                "deleted".to_string(),
+                String::new(),
+                None,
+                None,
+                String::new()
+            )
+        );
         drop(c);
         std::fs::remove_dir_all(dir).unwrap();
     }
@@ -1496,7 +1547,6 @@ mod tests {
                 content: None,
                 edited_at: None,
                 recalled: Some((12, u)),
-                wipe: false,
             }],
             versions: vec![(msg, 1, "old".into(), 9)],
             hidden_messages: vec![(u, msg)],

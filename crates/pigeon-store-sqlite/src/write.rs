@@ -212,6 +212,11 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
         let mut wipe_versions =
             tx.prepare_cached("UPDATE message_versions SET content = '' WHERE msg_id = ?1")?;
         for u in every().flat_map(|ch| &ch.message_updates) {
+            // Deleted for everyone (the one change that deletes): its `extra`, `mentions`
+            // and every earlier version's content go too, not only the current content.
+            // From the status, so that a journal record written before this rule applies
+            // it too.
+            let wipe = u.status == pigeon_proto::MessageStatus::Deleted;
             st.execute(params![
                 u.msg_id.get() as i64,
                 u.status.as_str(),
@@ -220,9 +225,9 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
                 u.edited_at,
                 u.recalled.map(|r| r.0),
                 u.recalled.map(|r| r.1.get() as i64),
-                u.wipe,
+                wipe,
             ])?;
-            if u.wipe {
+            if wipe {
                 wipe_versions.execute([u.msg_id.get() as i64])?;
             }
         }

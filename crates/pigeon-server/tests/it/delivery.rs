@@ -740,8 +740,10 @@ async fn a_pull_mode_client_passing_user_seq_back_gets_every_message_once() {
 /// all, PROTOCOL-EXTENSIONS.md) within the quiet second watched at the end.
 #[tokio::test]
 async fn one_cumulative_ack_per_chain_stops_the_resends_of_every_push_it_covers() {
+    // Long enough that the acks below go before any push has been sent its last time (a
+    // push is sent at most 4 times): a push still being resent after them was not covered.
     let s = spawn_with(|c| {
-        c.push_retry_ms = 300;
+        c.push_retry_ms = 500;
         c.fanout_write_max_members = 2;
     })
     .await;
@@ -794,6 +796,10 @@ async fn one_cumulative_ack_per_chain_stops_the_resends_of_every_push_it_covers(
             .cloned()
             .collect::<std::collections::BTreeSet<_>>(),
         expected
+    );
+    assert!(
+        seen.values().all(|(_, n)| *n < 4),
+        "every push has resends left to stop: {seen:?}"
     );
     // One ack per chain, naming only the newest of its pushes.
     b.send(&json!({"type": "ack", "user_seq": 3}))
