@@ -24,6 +24,11 @@ pub enum Outgoing {
     /// A message push, kept until acknowledged and resent if it is not. The text is shared
     /// (reference-counted) by every recipient that gets the same bytes.
     Push { chain: PushChain, frame: Utf8Bytes },
+    /// Another connection of this device opened: save the acknowledged positions now (they
+    /// are otherwise saved every second), and say so once they are queued for the store.
+    /// This one may be half-open (a socket gone without a word), its acks the device's
+    /// latest.
+    SaveCursors(tokio::sync::oneshot::Sender<()>),
 }
 
 /// The chain position a push is acknowledged by.
@@ -305,22 +310,27 @@ impl Hub {
         })
     }
 
-    /// Registers a connection of `user`'s `device`; also answers whether another connection
-    /// of that device was registered (one that may still be saving its acknowledged
-    /// positions as it ends).
+    /// Registers a connection of `user`'s `device`. Every other connection of that device
+    /// still registered (ending, or half-open) is asked to save its acknowledged positions
+    /// now; the answers say when each has queued them for the store.
     pub fn register(
         self: &Arc<Self>,
         user: UserId,
         device: DeviceId,
         outbox: Outbox,
-    ) -> (Registration, bool) {
+    ) -> (Registration, Vec<tokio::sync::oneshot::Receiver<()>>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let device_was_connected = {
+        let saves = {
             let mut shard = self.shard(user).write().expect("hub shard lock");
             let conns = shard.entry(user).or_default();
-            let was = conns.iter().any(|c| c.device == device);
+            let mut saves = Vec::new();
+            for c in conns.iter().filter(|c| c.device == device) {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                c.outbox.send(Outgoing::SaveCursors(tx));
+                saves.push(rx);
+            }
             conns.push(Conn { id, device, outbox });
-            was
+            saves
         };
         self.connections.fetch_add(1, Ordering::Relaxed);
         metrics::gauge!("pigeon_connections").increment(1.0);
@@ -330,7 +340,7 @@ impl Hub {
                 user,
                 id,
             },
-            device_was_connected,
+            saves,
         )
     }
 
@@ -563,6 +573,7 @@ mod tests {
     fn text(out: Outgoing) -> String {
         match out {
             Outgoing::Frame(t) | Outgoing::Push { frame: t, .. } => t.to_string(),
+            Outgoing::SaveCursors(_) => "(save cursors)".into(),
         }
     }
 

@@ -50,6 +50,9 @@ const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
 const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
+/// How long a new connection waits for the other connections of its device to queue their
+/// acknowledged positions (`Outgoing::SaveCursors`).
+const SIBLING_SAVE_WAIT: Duration = Duration::from_secs(1);
 /// The wait a client refused for holding too many connections is told to make.
 const RETRY_AFTER_TOO_MANY_MS: u64 = 5_000;
 /// How long a connection this server closes may take, from its close frame to letting the
@@ -268,7 +271,11 @@ async fn feed_queued(
     let mut next = first.or_else(|| out_rx.try_recv());
     let mut n = 0;
     while let Some(out) = next.take() {
-        if let Some(frame) = conn.frame_to_write(out)
+        if let Outgoing::SaveCursors(saved) = out {
+            // Boxed: not kept in every connection's task.
+            Box::pin(conn.flush_cursors(false)).await;
+            let _ = saved.send(());
+        } else if let Some(frame) = conn.frame_to_write(out)
             && sink.feed(codec.message(frame)).await.is_err()
         {
             return false;
@@ -298,8 +305,18 @@ async fn run(
     socket: Halves,
 ) {
     let (outbox, mut out_rx) = Outbox::new();
-    let (registration, device_was_connected) =
-        app.hub.register(user, device.clone(), outbox.clone());
+    let (registration, sibling_saves) = app.hub.register(user, device.clone(), outbox.clone());
+    let device_was_connected = !sibling_saves.is_empty();
+    if device_was_connected {
+        // Until the device's other connections have queued their positions (see below), or
+        // for at most SIBLING_SAVE_WAIT: one stuck on a full socket cannot hold this one.
+        // Boxed: not kept in every connection's task.
+        let _ = Box::pin(tokio::time::timeout(
+            SIBLING_SAVE_WAIT,
+            futures_util::future::join_all(sibling_saves),
+        ))
+        .await;
+    }
     let mut shutdown = app.shutdown.subscribe();
     let (mut sink, mut stream) = socket;
     let now = Instant::now();
@@ -311,11 +328,11 @@ async fn run(
         unacked: BTreeMap::new(),
         cursors: HashMap::new(),
         cursors_dirty: false,
-        // With another connection of this device still registered (ending: a socket that
-        // dropped without the close handshake, and a client that reconnected at once), as
-        // if this one had sent already: its first `sync` or `pull` (or answer given at
-        // once) passes a barrier behind the acknowledged positions that one saves as it
-        // ends. (One no longer registered has saved them.)
+        // With another connection of this device still registered (ending, or half-open:
+        // a socket gone without a word, and a client that reconnected), as if this one had
+        // sent already: its first `sync` or `pull` (or answer given at once) passes a
+        // barrier behind the acknowledged positions that one queued when asked at the
+        // registration above. (One no longer registered has saved them.)
         sent_since_barrier: SentOn {
             fast: device_was_connected,
             bulk: false,
@@ -579,6 +596,8 @@ impl Connection {
     fn frame_to_write(&mut self, out: Outgoing) -> Option<Utf8Bytes> {
         match out {
             Outgoing::Frame(f) => Some(f),
+            // Handled where the outbox is read (`feed_queued`): not a frame.
+            Outgoing::SaveCursors(_) => None,
             Outgoing::Push { chain, frame } => {
                 if self.unacked.len() >= MAX_UNACKED {
                     self.unacked.pop_first();

@@ -256,6 +256,34 @@ async fn a_device_whose_socket_dropped_resumes_from_its_last_ack() {
     }
 }
 
+/// The same when the old connection is still open on the server's side (half-open: a
+/// phone that changed networks, its old socket not yet seen to be gone): its latest acks
+/// are only in that connection (saved every second), and the new connection of the device
+/// asks it to save them before its first sync reads the store.
+#[tokio::test]
+async fn a_new_connection_of_a_device_sees_the_acks_its_open_old_one_holds() {
+    let s = spawn_server().await;
+    let alice = s.user(1).await;
+    let tb = s.token(2).await;
+    for i in 0..5 {
+        alice
+            .post("/v1/messages", &text_to_user(&format!("h{i}"), 2, "x"))
+            .await
+            .unwrap();
+    }
+    let mut old = s.ws(&tb, "phone").await;
+    old.send(&json!({"type": "ack", "user_seq": 4}))
+        .await
+        .unwrap();
+    // Answered after the ack is taken (frames are handled in order).
+    let pong = request(&mut old, json!({"type": "ping"}), 1).await;
+    assert_eq!(pong["type"], "pong");
+    let mut new = s.ws(&tb, "phone").await;
+    let r = request(&mut new, json!({"type": "sync"}), 2).await;
+    assert_eq!(r["cursor"], 4, "{r}");
+    drop(old);
+}
+
 #[tokio::test]
 async fn acks_move_the_device_cursor_forward_only_even_when_they_race() {
     let s = spawn_server().await;
