@@ -91,7 +91,9 @@ impl Outbox {
         if state.closed {
             return;
         }
-        if state.frames.len() >= OUTBOX_CAPACITY {
+        // A request to save positions is not a frame: a connection too slow for frames still
+        // takes it (at most one per other connection of its device that opens).
+        if state.frames.len() >= OUTBOX_CAPACITY && !matches!(out, Outgoing::SaveCursors(_)) {
             drop(state);
             self.close(KillReason::TooSlow);
             return;

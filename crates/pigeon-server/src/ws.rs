@@ -305,6 +305,9 @@ async fn run(
     socket: Halves,
 ) {
     let (outbox, mut out_rx) = Outbox::new();
+    // Before anything that waits: a receiver made after the shutdown began would never see
+    // it change.
+    let mut shutdown = app.shutdown.subscribe();
     let (registration, sibling_saves) = app.hub.register(user, device.clone(), outbox.clone());
     let device_was_connected = !sibling_saves.is_empty();
     if device_was_connected {
@@ -317,7 +320,6 @@ async fn run(
         ))
         .await;
     }
-    let mut shutdown = app.shutdown.subscribe();
     let (mut sink, mut stream) = socket;
     let now = Instant::now();
     let mut conn = Connection {
@@ -531,6 +533,9 @@ async fn run(
     }
     match stop {
         Stop::Close(code, reason) => {
+            // Queued before the close frame, which a stuck socket can hold up to CLOSE_WAIT:
+            // a new connection of the device waits for these, not for that.
+            Box::pin(conn.flush_cursors(false)).await;
             let deadline = tokio::time::Instant::now() + CLOSE_WAIT;
             // A client that stopped reading cannot hold the task here either.
             let _ = tokio::time::timeout_at(deadline, sink.send(close(code, reason))).await;
@@ -934,46 +939,40 @@ impl Connection {
     /// them, or the connection ends: then the commands this connection queued before
     /// (`wait_for_own_sends`) are committed first too.
     async fn flush_cursors(&mut self, wait: bool) {
-        if wait {
-            // What an earlier flush queued without waiting is committed first (a closing
-            // connection unregisters after this, and a new one of the device then trusts
-            // the store).
-            self.wait_for_own_sends().await;
-        }
-        if !self.cursors_dirty {
-            return;
-        }
-        self.cursors_dirty = false;
-        self.last_cursor_flush = Instant::now();
-        let mut cmds = Vec::with_capacity(self.cursors.len());
-        for (chain, seq) in self.cursors.drain() {
-            let chain = if chain == "user" {
-                CursorChain::Inbox
-            } else {
-                match ConversationId::parse(&chain) {
-                    Ok(c) => CursorChain::Conversation(c),
-                    Err(_) => continue,
-                }
-            };
-            cmds.push(Command::AdvanceCursor {
-                user: self.user,
-                device: self.device.clone(),
-                chain,
-                seq,
-            });
-        }
-        if !wait {
-            // Not waited for here: the next read or close waits (`wait_for_own_sends`).
+        if self.cursors_dirty {
+            self.cursors_dirty = false;
+            self.last_cursor_flush = Instant::now();
+            let mut cmds = Vec::with_capacity(self.cursors.len());
+            for (chain, seq) in self.cursors.drain() {
+                let chain = if chain == "user" {
+                    CursorChain::Inbox
+                } else {
+                    match ConversationId::parse(&chain) {
+                        Ok(c) => CursorChain::Conversation(c),
+                        Err(_) => continue,
+                    }
+                };
+                cmds.push(Command::AdvanceCursor {
+                    user: self.user,
+                    device: self.device.clone(),
+                    chain,
+                    seq,
+                });
+            }
+            // Committed by the next barrier: a read's, the close's, or the one below.
             self.sent_on(Tier::Fast);
-        }
-        for cmd in cmds {
-            if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
-                tracing::warn!(error = %e, user = %self.user, "cursor not saved");
+            for cmd in cmds {
+                if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
+                    tracing::warn!(error = %e, user = %self.user, "cursor not saved");
+                }
             }
         }
-        // The pipeline is FIFO: once the barrier is answered, the cursors are committed.
-        if wait && let Err(e) = self.app.pipeline.call(Command::Flush).await {
-            tracing::warn!(error = %e, user = %self.user, "cursor flush not confirmed");
+        if wait {
+            // Queued first, waited for after: the pipeline is FIFO, so one barrier covers
+            // these saves and whatever this connection queued before them (a connection
+            // that ends unregisters after this, and a new one of the device then trusts the
+            // store).
+            self.wait_for_own_sends().await;
         }
     }
 }
