@@ -939,22 +939,32 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    #[test]
-    fn a_user_created_and_renamed_in_one_apply_keeps_its_creation_time() {
-        let dir = temp_dir("rename");
+    /// A fresh database with the newest schema, and its directory (removed by the caller).
+    fn migrated_db(name: &str) -> (PathBuf, Connection) {
+        let dir = temp_dir(name);
         let mut c = Connection::open(dir.join("pigeon.db")).unwrap();
         schema::migrate(&mut c).unwrap();
-        // Both batches in one transaction, as the applier takes them when they come close.
+        (dir, c)
+    }
+
+    /// Writes `batches` in one transaction, as the applier takes batches that come close.
+    fn apply_together(c: &mut Connection, batches: &[&Changes]) {
         let tx = c.transaction().unwrap();
-        write::apply(
-            &tx,
+        write::apply(&tx, batches).unwrap();
+        tx.commit().unwrap();
+    }
+
+    #[test]
+    fn a_user_created_and_renamed_in_one_apply_keeps_its_creation_time() {
+        let (dir, mut c) = migrated_db("rename");
+        // Both batches in one transaction, as the applier takes them when they come close.
+        apply_together(
+            &mut c,
             &[
                 &user_named_at(1, "first", 10),
                 &user_named_at(1, "second", 20),
             ],
-        )
-        .unwrap();
-        tx.commit().unwrap();
+        );
         let row: (String, i64, i64) = c
             .query_row(
                 "SELECT name, created_at, updated_at FROM users WHERE user_id = 1",
@@ -1333,13 +1343,10 @@ mod tests {
 
     #[test]
     fn a_registration_that_leaves_a_field_out_keeps_it() {
-        let dir = temp_dir("partial-user");
-        let mut c = Connection::open(dir.join("pigeon.db")).unwrap();
-        schema::migrate(&mut c).unwrap();
+        let (dir, mut c) = migrated_db("partial-user");
         let u = UserId::new(1).unwrap();
-        let tx = c.transaction().unwrap();
-        write::apply(
-            &tx,
+        apply_together(
+            &mut c,
             &[
                 &user_named_at(1, "ann", 10),
                 &Changes {
@@ -1351,9 +1358,7 @@ mod tests {
                     ..Changes::default()
                 },
             ],
-        )
-        .unwrap();
-        tx.commit().unwrap();
+        );
         let row = |id: i64| -> (String, String) {
             c.query_row(
                 "SELECT name, avatar FROM users WHERE user_id = ?1",
@@ -1374,9 +1379,7 @@ mod tests {
     fn a_deletion_wipes_what_an_edit_in_the_same_apply_wrote() {
         use pigeon_core::changes::MessageUpdate;
         use pigeon_proto::{MessageKind, MessageStatus};
-        let dir = temp_dir("wipe");
-        let mut c = Connection::open(dir.join("pigeon.db")).unwrap();
-        schema::migrate(&mut c).unwrap();
+        let (dir, mut c) = migrated_db("wipe");
         let u = UserId::new(7).unwrap();
         let msg = MsgId::new(99).unwrap();
         let sent = Changes {
@@ -1415,9 +1418,7 @@ mod tests {
             message_updates: vec![update(MessageStatus::Deleted, 2, "")],
             ..Changes::default()
         };
-        let tx = c.transaction().unwrap();
-        write::apply(&tx, &[&sent, &edited, &deleted]).unwrap();
-        tx.commit().unwrap();
+        apply_together(&mut c, &[&sent, &edited, &deleted]);
         let row: (String, String, Option<String>, Option<String>) = c
             .query_row(
                 "SELECT status, content, extra, mentions FROM messages WHERE msg_id = 99",
@@ -1443,9 +1444,7 @@ mod tests {
     /// the deletion wipes what it must: journal records outlive the binary that wrote them.
     #[test]
     fn a_journal_record_of_the_previous_version_applies_the_same() {
-        let dir = temp_dir("old-record");
-        let mut c = Connection::open(dir.join("pigeon.db")).unwrap();
-        schema::migrate(&mut c).unwrap();
+        let (dir, mut c) = migrated_db("old-record");
         c.execute_batch(
             "INSERT INTO users (user_id, name, avatar, token_gen, created_at, updated_at) VALUES (1, 'old', 'o.png', 0, 1, 1);
              INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, extra, mentions, status, version, created_at)
@@ -1457,9 +1456,7 @@ mod tests {
             "members":[],"message_updates":[{"msg_id":"99","status":"deleted","version":1,"content":"","edited_at":null,"recalled":null}],
             "versions":[],"hidden_messages":[],"cursors":[]}"#;
         let changes: Changes = serde_json::from_str(old).unwrap();
-        let tx = c.transaction().unwrap();
-        write::apply(&tx, &[&changes]).unwrap();
-        tx.commit().unwrap();
+        apply_together(&mut c, &[&changes]);
         let user: (String, String) = c
             .query_row(
                 "SELECT name, avatar FROM users WHERE user_id = 1",
