@@ -811,3 +811,66 @@ async fn a_refused_typing_frame_is_answered_every_time() {
         ]
     );
 }
+
+/// The conversation ids of every page of `GET /v1/conversations?limit=1`, walked by
+/// `next_cursor` (at most `max_pages` pages), with each entry's `pinned`.
+async fn walk_single_pages(h: &Http, max_pages: usize) -> Vec<(String, bool)> {
+    let mut out = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..max_pages {
+        let path = match &cursor {
+            Some(c) => format!("/v1/conversations?limit=1&cursor={c}"),
+            None => "/v1/conversations?limit=1".to_owned(),
+        };
+        let page = h.get(&path).await.expect("list page");
+        let convs = page["conversations"].as_array().unwrap();
+        assert!(convs.len() <= 1, "limit=1 gives at most one: {page}");
+        for c in convs {
+            out.push((
+                c["conversation_id"].as_str().unwrap().to_owned(),
+                c["pinned"].as_bool().unwrap(),
+            ));
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => return out,
+        }
+    }
+    panic!("the list did not end within {max_pages} pages: {out:?}");
+}
+
+/// PROTOCOL.md 6: "The list is ordered pinned first, then by newest activity" — across
+/// pages too: walking `?limit=1` pages by `next_cursor` from the pinned (oldest)
+/// conversation into the unpinned ones keeps that order, none repeated or missing, also
+/// after new activity reorders the unpinned ones.
+#[tokio::test]
+async fn one_conversation_pages_keep_pinned_first_then_newest_activity() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    for peer in [222u64, 333, 444] {
+        let _ = s.user(peer).await;
+        send_n(&alice, peer, &format!("w{peer}-"), 1).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Pin the oldest.
+    settings(&alice, "111-222", json!({"pinned": true})).await;
+    let expected = vec![
+        ("111-222".to_owned(), true),
+        ("111-444".to_owned(), false),
+        ("111-333".to_owned(), false),
+    ];
+    assert_eq!(walk_single_pages(&alice, 5).await, expected);
+    // The full list agrees with the pages.
+    assert_eq!(listed(&alice).await, vec!["111-222", "111-444", "111-333"]);
+
+    // New activity in 111-333 moves it ahead of 111-444, still behind the pinned one.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let carol = s.user(333).await;
+    send_n(&carol, 111, "again", 1).await;
+    let expected = vec![
+        ("111-222".to_owned(), true),
+        ("111-333".to_owned(), false),
+        ("111-444".to_owned(), false),
+    ];
+    assert_eq!(walk_single_pages(&alice, 5).await, expected);
+}

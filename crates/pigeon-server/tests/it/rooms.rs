@@ -212,3 +212,73 @@ async fn a_room_message_is_in_recent_as_soon_as_it_is_sent() {
         assert!(recent.contains(&content.as_str()), "round {round}: {info}");
     }
 }
+
+/// PROTOCOL.md 7: "`DELETE /v1/admin/rooms/{id}` closes it"; PROTOCOL-EXTENSIONS.md:
+/// "Viewers of a room closed by `DELETE /v1/admin/rooms/{id}` get
+/// `{"type":"room_closed","room_id"}`". Every viewer is told (and nobody watching another
+/// room); afterwards the room is gone: `GET /v1/rooms/{id}` answers 404 `not_found` and a
+/// `room_join` of it `not_found`.
+#[tokio::test]
+async fn closing_a_room_tells_its_viewers_and_forgets_it() {
+    let s = spawn_server().await;
+    let new_room = || async {
+        s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (room, other) = (new_room().await, new_room().await);
+    let (t1, t2, t3) = (s.token(1).await, s.token(2).await, s.token(3).await);
+    let mut v1 = s.ws(&t1, "v1").await;
+    let mut v2 = s.ws(&t2, "v2").await;
+    let mut elsewhere = s.ws(&t3, "v3").await;
+    for (ws, r) in [(&mut v1, &room), (&mut v2, &room), (&mut elsewhere, &other)] {
+        ws.send(&json!({"type": "room_join", "room_id": r}))
+            .await
+            .unwrap();
+        // The pong comes once the join was handled.
+        let pong = request(ws, json!({"type": "ping"}), 1).await;
+        assert_eq!(pong["type"], "pong");
+    }
+    assert_eq!(viewers(&s, &room).await, 2);
+
+    s.admin
+        .delete(&format!("/v1/admin/rooms/{room}"))
+        .await
+        .expect("room closed");
+    for ws in [&mut v1, &mut v2] {
+        let f = ws
+            .recv_until(WAIT, |v| v["type"] == "room_closed")
+            .await
+            .unwrap()
+            .expect("a room_closed frame");
+        assert_eq!(f, json!({"type": "room_closed", "room_id": room}));
+    }
+    let stray = elsewhere
+        .recv_until(Duration::from_millis(300), |v| v["type"] == "room_closed")
+        .await
+        .unwrap();
+    assert!(
+        stray.is_none(),
+        "a viewer of another room was told: {stray:?}"
+    );
+
+    let onlooker = s.user(4).await;
+    let (status, body) = onlooker
+        .raw(reqwest::Method::GET, &format!("/v1/rooms/{room}"), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (404, Some("not_found")),
+        "{body}"
+    );
+    let e = request(&mut v1, json!({"type": "room_join", "room_id": room}), 2).await;
+    assert_eq!(
+        (e["type"].as_str(), e["code"].as_str()),
+        (Some("error"), Some("not_found")),
+        "{e}"
+    );
+    // The other room is untouched.
+    assert_eq!(viewers(&s, &other).await, 1);
+}
