@@ -14,6 +14,7 @@ pub struct Limits {
 
 pub const MAX_MENTIONS: usize = 100;
 pub const MAX_GROUP_NAME_CHARS: usize = 128;
+pub const MAX_USER_NAME_CHARS: usize = 128;
 pub const MAX_NOTICE_CHARS: usize = 4096;
 pub const MAX_AVATAR_CHARS: usize = 2048;
 pub const MAX_USERS_PER_REQUEST: usize = 1000;

@@ -1,6 +1,7 @@
 //! The OpenAPI 3 description served at `/openapi.json`, built from [`ENDPOINTS`], the table
 //! a test checks against the router so that the two cannot drift apart.
 
+use pigeon_core::rules;
 use serde_json::{Map, Value, json};
 
 /// Who may call an endpoint.
@@ -302,8 +303,8 @@ fn request_schema(method: &str, path: &str) -> Option<Value> {
         ("post", "/v1/admin/users") => json!({"type": "object", "required": ["user_id"],
             // Left out or null: kept as the user has it (PROTOCOL-EXTENSIONS.md).
             "properties": {"user_id": uid,
-                "name": {"type": "string", "nullable": true, "maxLength": 128},
-                "avatar": {"type": "string", "nullable": true, "maxLength": 2048}}}),
+                "name": {"type": "string", "nullable": true, "maxLength": rules::MAX_USER_NAME_CHARS},
+                "avatar": {"type": "string", "nullable": true, "maxLength": rules::MAX_AVATAR_CHARS}}}),
         ("post", "/v1/admin/tokens") => json!({"type": "object", "required": ["user_id"],
             "properties": {"user_id": uid, "ttl_secs": {"type": "integer", "minimum": 1, "nullable": true}}}),
         ("post", "/v1/messages") => {

@@ -9,13 +9,11 @@ use crate::pipeline::now_ms;
 use axum::Json;
 use axum::extract::{Path, State};
 use pigeon_core::command::{Command, Reply};
+use pigeon_core::rules;
 use pigeon_proto::views::UserView;
 use pigeon_proto::{Message, UserId};
 use serde::Deserialize;
 use serde_json::{Value, json};
-
-const MAX_NAME_CHARS: usize = 128;
-const MAX_AVATAR_CHARS: usize = 2048;
 
 #[derive(Deserialize)]
 pub struct UpsertUser {
@@ -32,21 +30,11 @@ pub async fn upsert_user(
     State(app): State<AppRef>,
     ApiJson(b): ApiJson<UpsertUser>,
 ) -> ApiResult<Json<UserView>> {
-    if b.name
-        .as_ref()
-        .is_some_and(|n| n.chars().count() > MAX_NAME_CHARS)
-    {
-        return Err(ApiError::invalid(format!(
-            "name is longer than {MAX_NAME_CHARS} characters"
-        )));
+    if let Some(n) = &b.name {
+        rules::validate_text_field("name", n, rules::MAX_USER_NAME_CHARS)?;
     }
-    if b.avatar
-        .as_ref()
-        .is_some_and(|a| a.chars().count() > MAX_AVATAR_CHARS)
-    {
-        return Err(ApiError::invalid(format!(
-            "avatar is longer than {MAX_AVATAR_CHARS} characters"
-        )));
+    if let Some(a) = &b.avatar {
+        rules::validate_text_field("avatar", a, rules::MAX_AVATAR_CHARS)?;
     }
     // "Repeat = update": a field left out keeps what the user has, merged where the row is
     // written, so two updates of different fields both hold.
