@@ -649,6 +649,15 @@ async fn minted_tokens_expire_ttl_secs_after_now() {
     }
 }
 
+/// A user as `POST /v1/admin/users` answers it: id, name, avatar.
+fn user_fields(u: &Value) -> (Option<u64>, Option<&str>, Option<&str>) {
+    (
+        u["user_id"].as_u64(),
+        u["name"].as_str(),
+        u["avatar"].as_str(),
+    )
+}
+
 /// PROTOCOL-EXTENSIONS.md: a repeat of `POST /v1/admin/users` that leaves `name` or
 /// `avatar` out keeps what the user has, and answers the user as stored; updates of
 /// different fields racing each other both hold (they are merged where the row is written).
@@ -699,14 +708,7 @@ async fn registering_a_user_again_keeps_the_fields_left_out() {
         .post("/v1/admin/users", &json!({"user_id": 333}))
         .await
         .unwrap();
-    assert_eq!(
-        (
-            u["user_id"].as_u64(),
-            u["name"].as_str(),
-            u["avatar"].as_str()
-        ),
-        (Some(333), Some(""), Some(""))
-    );
+    assert_eq!(user_fields(&u), (Some(333), Some(""), Some("")));
 }
 
 /// PROTOCOL.md 6: `POST /v1/admin/users` answers "the user; repeat = update": a second call
@@ -745,11 +747,7 @@ async fn registering_a_user_again_updates_them() {
         .await
         .unwrap();
     assert_eq!(
-        (
-            u["user_id"].as_u64(),
-            u["name"].as_str(),
-            u["avatar"].as_str()
-        ),
+        user_fields(&u),
         (Some(222), Some("Robert"), Some("https://x/r.png"))
     );
     assert_eq!(
