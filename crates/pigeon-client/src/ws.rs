@@ -104,6 +104,20 @@ impl WsConn {
             .map_err(transport)
     }
 
+    /// Writes every frame and then flushes once: a burst the server reads back to back.
+    pub async fn send_burst(
+        &mut self,
+        frames: impl IntoIterator<Item = String>,
+    ) -> Result<(), ClientError> {
+        for text in frames {
+            self.stream
+                .feed(Message::Text(text.into()))
+                .await
+                .map_err(transport)?;
+        }
+        self.stream.flush().await.map_err(transport)
+    }
+
     pub async fn send_binary(&mut self, data: Vec<u8>) -> Result<(), ClientError> {
         self.stream
             .send(Message::Binary(data.into()))

@@ -30,8 +30,11 @@ const MAX_READ_BYTES: usize = 2 << 20;
 const MAX_UNACKED: usize = 8192;
 /// Sends of one push before leaving it to the client's pull.
 const MAX_PUSH_TRIES: u8 = 4;
-/// Longest wait of a `sync` or `pull` for this connection's own queued commands.
-const OWN_SENDS_WAIT: Duration = Duration::from_secs(2);
+/// Longest wait of a barrier (a `sync`, a `pull`, an answer given at once) for this
+/// connection's own queued commands. The outbox is written meanwhile, so a long wait holds
+/// only this client's later frames, which must wait anyway to be answered in order; the
+/// bound is for a pipeline that neither commits nor refuses.
+const OWN_SENDS_WAIT: Duration = Duration::from_secs(10);
 /// Bad frames tolerated per window before the connection is closed with 1008: enough that
 /// a client checking its validation case by case on one connection is answered every time,
 /// few enough that one sending garbage in a loop is cut off within a second.
@@ -228,6 +231,12 @@ struct SentOn {
     bulk: bool,
 }
 
+impl SentOn {
+    fn any(self) -> bool {
+        self.fast || self.bulk
+    }
+}
+
 /// How one connection's frames travel: JSON text (`pigeon.v1.json`, also when the client
 /// asked for no subprotocol), or protobuf in binary frames (`pigeon.v1.proto`, transcoded
 /// from and to the same JSON frames at this edge).
@@ -255,6 +264,84 @@ impl Codec {
                 WsMessage::Binary(schema.server_frame_for_client(frame.as_str()).into())
             }
         }
+    }
+}
+
+/// Where a connection's frames go out: what [`feed_queued`] writes to, borrowed for the
+/// waits that must keep writing.
+struct Writer<'a> {
+    sink: &'a mut futures_util::stream::SplitSink<WebSocket, WsMessage>,
+    out_rx: &'a mut OutboxReader,
+    codec: Codec,
+}
+
+impl<'a> Writer<'a> {
+    fn new(
+        sink: &'a mut futures_util::stream::SplitSink<WebSocket, WsMessage>,
+        out_rx: &'a mut OutboxReader,
+        codec: Codec,
+    ) -> Writer<'a> {
+        Writer {
+            sink,
+            out_rx,
+            codec,
+        }
+    }
+
+    /// Waits until the commands `conn` queued are committed (or refused), writing what its
+    /// outbox receives meanwhile: their `send_ack`s and pushes, which could otherwise fill
+    /// the outbox while a burst's commits lag behind its reads, and close the connection as
+    /// too slow. False once the socket failed.
+    async fn wait_for_own_sends(&mut self, conn: &mut Connection) -> bool {
+        let Some(barrier) = conn.own_sends_barrier() else {
+            return true;
+        };
+        tokio::pin!(barrier);
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut barrier => return true,
+                out = self.out_rx.recv() => {
+                    let fed = feed_queued(conn, self.sink, self.out_rx, self.codec, Some(out), COALESCE_MAX).await;
+                    if !fed || self.sink.flush().await.is_err() {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Answers one text frame: `None` once the socket failed. A `sync` or `pull` after this
+/// connection's own commands is handled once they are committed, its outbox written
+/// meanwhile ([`Writer::wait_for_own_sends`]).
+async fn answer(conn: &mut Connection, mut w: Writer<'_>, text: &str) -> Option<Vec<String>> {
+    match conn.handle_text(text, false).await {
+        Answer::Now(replies) => Some(replies),
+        Answer::AfterOwnSends => {
+            if !w.wait_for_own_sends(conn).await {
+                return None;
+            }
+            match conn.handle_text(text, true).await {
+                Answer::Now(replies) => Some(replies),
+                Answer::AfterOwnSends => unreachable!("handled after its barrier"),
+            }
+        }
+    }
+}
+
+/// What handling a frame came to.
+enum Answer {
+    /// The frames to write at once, in order (none for most frames).
+    Now(Vec<String>),
+    /// The frame reads what this connection's own commands change: handle it again once
+    /// they are committed.
+    AfterOwnSends,
+}
+
+impl From<Vec<String>> for Answer {
+    fn from(replies: Vec<String>) -> Answer {
+        Answer::Now(replies)
     }
 }
 
@@ -455,30 +542,33 @@ async fn run(
                     Some(Ok(m)) => m,
                 };
                 conn.last_seen = Instant::now();
+                // Boxed, like the cursor flushes below: inline, the largest future a frame
+                // may await (sync, pull) would size every connection's task, idle or not
+                // (3 432 bytes inline, 1 792 boxed).
                 let replies = match msg {
-                    // Boxed, like the cursor flushes below: inline, the largest future a frame
-                    // may await (sync, pull) would size every connection's task, idle or not
-                    // (3 432 bytes inline, 1 792 boxed).
-                    WsMessage::Text(t) => Box::pin(conn.handle_text(t.as_str())).await,
+                    WsMessage::Text(t) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, codec), t.as_str())).await,
                     WsMessage::Binary(b) => match codec {
                         // Not decoded: a small protobuf frame can stand for a large tree. A
                         // frame over the limit is too large whatever the subprotocol.
-                        _ if b.len() > MAX_FRAME_BYTES => conn.too_large(None),
+                        _ if b.len() > MAX_FRAME_BYTES => Some(conn.too_large(None)),
                         Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
-                            Ok(text) => Box::pin(conn.handle_text(&text)).await,
-                            Err((req, e)) => conn.bad_frame(req, &e),
+                            Ok(text) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, codec), &text)).await,
+                            Err((req, e)) => Some(conn.bad_frame(req, &e)),
                         },
-                        Codec::Json => conn.bad_frame(None, "binary frames are not part of pigeon.v1.json"),
+                        Codec::Json => Some(conn.bad_frame(None, "binary frames are not part of pigeon.v1.json")),
                     },
-                    WsMessage::Ping(_) | WsMessage::Pong(_) => Vec::new(),
+                    WsMessage::Ping(_) | WsMessage::Pong(_) => Some(Vec::new()),
                     WsMessage::Close(_) => break Stop::ClientClosed,
                 };
+                let Some(replies) = replies else { break Stop::Gone };
                 // An answer given at once (a `pong`, an error) first waits for the commands
                 // this connection sent before it, whose answers are then queued ahead of it:
                 // frames are answered in the order they came, so a `ping` after a `send` is
                 // a barrier a client can rely on. (Boxed: see above.)
-                if !replies.is_empty() {
-                    Box::pin(conn.wait_for_own_sends()).await;
+                if !replies.is_empty()
+                    && !Box::pin(Writer::new(&mut sink, &mut out_rx, codec).wait_for_own_sends(&mut conn)).await
+                {
+                    break Stop::Gone;
                 }
                 if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
                     // What was queued before still goes first.
@@ -662,15 +752,16 @@ impl Connection {
         self.bad_frames += 1;
     }
 
-    /// Handles one text frame; returns the frames to write at once, in order.
-    async fn handle_text(&mut self, text: &str) -> Vec<String> {
+    /// Handles one text frame; `barrier_done` when this connection's own commands were
+    /// waited for since it came (see [`Answer::AfterOwnSends`]).
+    async fn handle_text(&mut self, text: &str, barrier_done: bool) -> Answer {
         if text.len() > MAX_FRAME_BYTES {
             // Read whole (up to the 2 MiB the socket accepts), so its `req` can be echoed; it
             // counts as a bad frame, so a client cannot have the server parse them forever.
             let req = serde_json::from_str::<FrameHead>(text)
                 .ok()
                 .and_then(|h| h.req.and_then(|r| r.int()));
-            return self.too_large(req);
+            return self.too_large(req).into();
         }
         // First only what every frame has (the rest is skipped, but its syntax checked),
         // then the typed frame straight from the text: no intermediate JSON tree.
@@ -678,33 +769,46 @@ impl Connection {
             return match serde_json::from_str::<serde::de::IgnoredAny>(text) {
                 Ok(_) => self.bad_frame(None, "frame must be a JSON object"),
                 Err(_) => self.bad_frame(None, "frame is not valid JSON"),
-            };
+            }
+            .into();
         }
         let head: FrameHead = match serde_json::from_str(text) {
             Ok(h) => h,
-            Err(_) => return self.bad_frame(None, "frame is not valid JSON"),
+            Err(_) => return self.bad_frame(None, "frame is not valid JSON").into(),
         };
         let req = head.req.as_ref().and_then(Scalar::int);
         if matches!(head.req, Some(Scalar::Str(_) | Scalar::Other)) {
-            return self.bad_frame(None, "req must be an integer");
+            return self.bad_frame(None, "req must be an integer").into();
         }
         let kind = match &head.kind {
             Some(Scalar::Str(t)) => t.as_str(),
-            _ => return self.bad_frame(req, "frame needs a string type"),
+            _ => return self.bad_frame(req, "frame needs a string type").into(),
         };
         let frame = match ClientFrame::parse_typed(kind, text) {
-            None => return self.bad_frame(req, &format!("unknown frame type {kind:?}")),
+            None => {
+                return self
+                    .bad_frame(req, &format!("unknown frame type {kind:?}"))
+                    .into();
+            }
             Some(Ok(f)) => f,
-            Some(Err(e)) => return self.bad_frame(req, &format!("bad frame: {e}")),
+            Some(Err(e)) => return self.bad_frame(req, &format!("bad frame: {e}")).into(),
         };
+        if !barrier_done
+            && matches!(frame, ClientFrame::Sync(_) | ClientFrame::Pull(_))
+            && (self.cursors_dirty || self.sent_since_barrier.any())
+        {
+            // Queued behind this connection's commands: one barrier covers both.
+            self.flush_cursors(false).await;
+            return Answer::AfterOwnSends;
+        }
         let result = self.dispatch(frame, req).await;
         match result {
-            Ok(frames) => frames,
+            Ok(frames) => frames.into(),
             Err(e) => {
                 if e.code == ErrorCode::InvalidArgument {
-                    self.bad_frame(req, &e.message)
+                    self.bad_frame(req, &e.message).into()
                 } else {
-                    vec![e.frame(req)]
+                    vec![e.frame(req)].into()
                 }
             }
         }
@@ -913,26 +1017,38 @@ impl Connection {
         }
     }
 
-    /// Waits until the commands this connection queued are committed (or refused); at most
-    /// [`OWN_SENDS_WAIT`], so a flood's backlog in the bulk tier cannot hold the connection
-    /// (its outbox is not written while it waits).
+    /// Waits until the commands this connection queued are committed (or refused), without
+    /// writing its outbox: as the connection ends, and for a read whose barrier [`answer`]
+    /// already waited for (then there is nothing left to wait for).
     async fn wait_for_own_sends(&mut self) {
+        if let Some(barrier) = self.own_sends_barrier() {
+            barrier.await;
+        }
+    }
+
+    /// The wait until the commands this connection queued since the last barrier are
+    /// committed (or refused), at most [`OWN_SENDS_WAIT`]; `None` when it queued none. It
+    /// borrows nothing of the connection, so the connection can write while it waits.
+    fn own_sends_barrier(&mut self) -> Option<impl Future<Output = ()> + use<>> {
         let sent = std::mem::take(&mut self.sent_since_barrier);
-        let tiers: &[Tier] = match (sent.fast, sent.bulk) {
-            (false, false) => return,
+        let tiers: &'static [Tier] = match (sent.fast, sent.bulk) {
+            (false, false) => return None,
             (true, false) => &[Tier::Fast],
             (false, true) => &[Tier::Bulk],
             (true, true) => &[Tier::Fast, Tier::Bulk],
         };
-        match tokio::time::timeout(OWN_SENDS_WAIT, self.app.pipeline.flush_tiers(tiers)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, user = %self.user, "waiting for this connection's sends failed");
+        let (app, user) = (self.app.clone(), self.user);
+        Some(async move {
+            match tokio::time::timeout(OWN_SENDS_WAIT, app.pipeline.flush_tiers(tiers)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, user = %user, "waiting for this connection's sends failed");
+                }
+                Err(_) => {
+                    tracing::warn!(user = %user, "this connection's sends took over {OWN_SENDS_WAIT:?} to commit; answering without them");
+                }
             }
-            Err(_) => {
-                tracing::warn!(user = %self.user, "this connection's sends took over 2 s to commit; answering without them");
-            }
-        }
+        })
     }
 
     /// Writes acknowledged positions to the store; `wait` when a read follows that must see
@@ -1063,7 +1179,8 @@ mod tests {
     /// Every connection holds its task for its whole life, idle or not, so the task's
     /// future is part of every idle connection's memory: 2 248 bytes before the twelfth
     /// session (the WebSocket kept twice, the hello frame kept in scope), 1 480 after (and
-    /// after the thirteenth's token check, paid for by two flags in place of a list). A
+    /// after the thirteenth's token check, paid for by two flags in place of a list), 1 520
+    /// with the fourteenth's barrier that writes the outbox while it waits. A
     /// change that holds something large across an await fails here rather than in a
     /// benchmark's noise.
     #[test]

@@ -656,6 +656,59 @@ async fn a_ping_after_a_run_of_sends_is_answered_after_every_send_ack() {
     }
 }
 
+/// The same for a burst larger than the outbox (4 096 frames), read by the server back to
+/// back: every `send_ack` comes before the `pong` (or the `pull_result`), and the
+/// connection stays open. (`store_failure.rs` has the burst while the commits stall.)
+#[tokio::test]
+async fn a_barrier_after_a_burst_larger_than_the_outbox_comes_after_every_send_ack() {
+    let s = spawn_server().await;
+    let (ann, _bob) = (s.token(631).await, s.token(632).await);
+    let mut ws = s.ws(&ann, "d").await;
+    // Over the outbox's 4 096 frames: each send is answered with a `send_ack`.
+    const N: i64 = 6_000;
+    for (round, barrier) in [(0i64, "ping"), (1, "pull")] {
+        let base = round * 100_000;
+        let mut burst: Vec<String> = (1..=N)
+            .map(|i| {
+                let mut send = send_frame(text_to_user(&format!("burst-{round}-{i}"), 632, "x"));
+                send["req"] = json!(base + i);
+                send.to_string()
+            })
+            .collect();
+        let mut last = json!({"type": barrier, "req": base + N + 1});
+        if barrier == "pull" {
+            last["chain"] = json!("user");
+            last["limit"] = json!(1);
+        }
+        burst.push(last.to_string());
+        ws.send_burst(burst).await.unwrap();
+        let mut acked = 0;
+        let answer = loop {
+            let f = ws
+                .recv(Duration::from_secs(30))
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("closed or silent: {:?}", ws.closed_with));
+            assert_ne!(f["type"], "error", "{f}");
+            if f["type"] == "send_ack" {
+                acked += 1;
+            } else if f["req"] == base + N + 1 {
+                break f;
+            }
+        };
+        assert_eq!(
+            acked, N,
+            "{barrier}: every send_ack comes before the answer"
+        );
+        let expected = if barrier == "ping" {
+            "pong"
+        } else {
+            "pull_result"
+        };
+        assert_eq!(answer["type"], expected, "{answer}");
+    }
+}
+
 /// The same order for a `read`, which has no reply of its own: once the `pong` of a `ping`
 /// sent after it arrives, the read mark is committed and `GET /v1/conversations/{id}`
 /// shows it.

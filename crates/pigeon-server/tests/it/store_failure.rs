@@ -120,3 +120,58 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
     want.extend((0..chunk as u64).map(|k| (5 + k, format!("b{k}"))));
     assert_eq!(seen, want);
 }
+
+/// While a connection's `ping` waits for its sends to commit, what they are answered with is
+/// written as it comes: a burst larger than the outbox (4 096 frames) whose commits stall
+/// behind a held write lock (a 1 KiB journal backlog: each commit waits until the tables
+/// took the one before) is answered with every `send_ack` and then the `pong`, with no close
+/// as too slow (1013), however long the burst's commits lag behind the reads.
+#[tokio::test]
+async fn a_ping_waiting_behind_stalled_commits_still_writes_the_acks_that_come() {
+    let s = spawn_with(|c| c.journal_backlog_kib = 1).await;
+    s.user(2).await;
+    let mut ws = s.ws(&s.token(1).await, "d1").await;
+    let first = request(&mut ws, send_frame(text_to_user("s0", 2, "zero")), 1).await;
+    assert_eq!(first["type"], "send_ack", "{first}");
+
+    let db = s.dir.0.join("pigeon.db");
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        let c = rusqlite::Connection::open(db).unwrap();
+        c.busy_timeout(Duration::from_secs(5)).unwrap();
+        c.execute_batch("BEGIN IMMEDIATE").unwrap();
+        locked_tx.send(()).unwrap();
+        // Shorter than the server's busy timeout: the stalled commits succeed afterwards.
+        std::thread::sleep(Duration::from_millis(1_500));
+        c.execute_batch("ROLLBACK").unwrap();
+    });
+    locked_rx.recv().unwrap();
+
+    const N: i64 = 6_000;
+    let mut burst: Vec<String> = (1..=N)
+        .map(|i| {
+            let mut send = send_frame(text_to_user(&format!("s{i}"), 2, "x"));
+            send["req"] = json!(10 + i);
+            send.to_string()
+        })
+        .collect();
+    burst.push(json!({"type": "ping", "req": 9}).to_string());
+    ws.send_burst(burst).await.unwrap();
+    let mut acked = 0;
+    loop {
+        let f = ws
+            .recv(Duration::from_secs(30))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("closed or silent: {:?}", ws.closed_with));
+        assert_ne!(f["type"], "error", "{f}");
+        if f["type"] == "pong" {
+            break;
+        }
+        if f["type"] == "send_ack" {
+            acked += 1;
+        }
+    }
+    assert_eq!(acked, N, "every send_ack comes before the pong");
+    holder.join().unwrap();
+}
