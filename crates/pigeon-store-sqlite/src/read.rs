@@ -423,6 +423,10 @@ pub fn cursor(c: &Connection, user: UserId, device: &str, chain: &str) -> rusqli
     .map(|v| v.unwrap_or(0) as u64)
 }
 
+/// The read fan-out groups with messages past the device's position in them (given, or its
+/// stored cursor): current memberships, and ended ones up to the message that ended them
+/// (PROTOCOL.md 6: a removal is the last message of the group its member can read), so a
+/// member removed while offline learns of it.
 pub fn read_fanout_changes(
     c: &Connection,
     user: UserId,
@@ -430,9 +434,11 @@ pub fn read_fanout_changes(
     given: &HashMap<String, u64>,
 ) -> rusqlite::Result<Vec<SyncConversation>> {
     let mut st = c.prepare_cached(
-        "SELECT c.conversation_id, c.seq, c.last_msg_id, mb.joined_seq, mb.last_read_seq, c.read_fanout_since FROM members mb \
+        "SELECT c.conversation_id, c.seq, c.last_msg_id, mb.joined_seq, mb.last_read_seq, c.read_fanout_since, \
+         mb.left_seq FROM members mb \
          JOIN conversations c ON c.conversation_id = mb.conversation_id \
-         WHERE mb.user_id = ?1 AND mb.left_seq IS NULL AND c.read_fanout_since IS NOT NULL",
+         WHERE mb.user_id = ?1 AND c.read_fanout_since IS NOT NULL \
+         AND (mb.left_seq IS NULL OR mb.left_seq >= c.read_fanout_since)",
     )?;
     let groups = st
         .query_map([user.get() as i64], |r| {
@@ -443,11 +449,12 @@ pub fn read_fanout_changes(
                 r.get::<_, i64>(3)? as u64,
                 r.get::<_, i64>(4)? as u64,
                 r.get::<_, i64>(5)? as u64,
+                r.get::<_, Option<i64>>(6)?.map(|s| s as u64),
             ))
         })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let mut out = Vec::new();
-    for (id, seq, last_msg_id, joined_seq, last_read, read_since) in groups {
+    for (id, newest, last_msg_id, joined_seq, last_read, read_since, left_seq) in groups {
         // Without a given position: the device's cursor, but no lower than where the member
         // joined, nor than where the group first used read fan-out (what came before reached
         // them through their inbox).
@@ -457,15 +464,20 @@ pub fn read_fanout_changes(
                 .max(joined_seq.saturating_sub(1))
                 .max(read_since.saturating_sub(1)),
         };
+        // A former member's chain ends at the removal.
+        let seq = left_seq.unwrap_or(newest);
         if seq <= position {
             continue;
         }
         let Ok(conversation_id) = ConversationId::parse(&id) else {
             continue;
         };
-        let last_message = match last_msg_id {
-            Some(m) => message_for(c, user, m)?,
-            None => None,
+        let last_message = match left_seq {
+            Some(left) => message_at(c, user, &id, left)?,
+            None => match last_msg_id {
+                Some(m) => message_for(c, user, m)?,
+                None => None,
+            },
         };
         out.push(SyncConversation {
             unread: unread_count(c, &id, last_read, seq, user)?,
@@ -476,6 +488,23 @@ pub fn read_fanout_changes(
         });
     }
     Ok(out)
+}
+
+/// The message at `seq` of a conversation, as `reader` sees it.
+fn message_at(
+    c: &Connection,
+    reader: UserId,
+    conv: &str,
+    seq: u64,
+) -> rusqlite::Result<Option<Message>> {
+    let id = c
+        .prepare_cached("SELECT msg_id FROM messages WHERE conversation_id = ?1 AND seq = ?2")?
+        .query_row(params![conv, seq as i64], |r| r.get::<_, i64>(0))
+        .optional()?;
+    match id {
+        Some(m) => message_for(c, reader, m),
+        None => Ok(None),
+    }
 }
 
 pub fn unread(c: &Connection, user: UserId) -> rusqlite::Result<Vec<(ConversationId, u64, bool)>> {

@@ -560,6 +560,69 @@ async fn sync_lists_only_read_fanout_groups() {
     );
 }
 
+/// PROTOCOL.md 6: the removal "is the last message of the group that member receives or
+/// can read". A member of a read fan-out group who was offline when kicked (or quit) finds
+/// the group in `sync` up to the removal (its `seq`, `last_message` and `unread` stop
+/// there), pulls it, and once past it no longer sees the group.
+#[tokio::test]
+async fn sync_lists_a_read_fanout_group_up_to_the_removal_of_an_offline_member() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(1).await;
+    let t3 = s.token(3).await;
+    let _ = s.user(2).await;
+    let g = new_group_named(&owner, "rf", &[2, 3]).await;
+    owner
+        .post("/v1/messages", &text_to_conv("k1", &g, "before"))
+        .await
+        .unwrap();
+    owner
+        .delete(&format!("/v1/groups/{g}/members/3"))
+        .await
+        .unwrap();
+    owner
+        .post("/v1/messages", &text_to_conv("k2", &g, "after"))
+        .await
+        .unwrap();
+    let newest = newest_seq(&owner, &g).await;
+    let mut ws = s.ws(&t3, "d3").await;
+    let r = request(&mut ws, json!({"type": "sync"}), 1).await;
+    let listed = r["conversations"].as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{r}");
+    let kick_seq = newest - 1;
+    let c = &listed[0];
+    assert_eq!(c["conversation_id"], g.as_str(), "{r}");
+    assert_eq!(c["seq"], kick_seq, "the removal is the last seq: {r}");
+    assert_eq!(c["last_message"]["kind"], "member_kicked", "{r}");
+    assert_eq!(c["unread"], 1, "the message before the removal: {r}");
+    let from = c["cursor"].as_u64().unwrap() + 1;
+    let pulled = request(
+        &mut ws,
+        json!({"type": "pull", "chain": "conversation", "conversation_id": g.clone(), "from": from}),
+        2,
+    )
+    .await;
+    let items = pulled["items"].as_array().unwrap();
+    assert_eq!(
+        items.last().unwrap()["message"]["kind"],
+        "member_kicked",
+        "{pulled}"
+    );
+    assert_eq!(pulled["has_more"], false, "{pulled}");
+    // Past the removal (given, or acknowledged and stored) it is gone from the list.
+    let given = request(
+        &mut ws,
+        json!({"type": "sync", "conversations": {g.clone(): kick_seq}}),
+        3,
+    )
+    .await;
+    assert_eq!(given["conversations"], json!([]), "{given}");
+    ws.send(&json!({"type": "ack", "conversation_id": g.clone(), "seq": kick_seq}))
+        .await
+        .unwrap();
+    let stored = request(&mut ws, json!({"type": "sync"}), 4).await;
+    assert_eq!(stored["conversations"], json!([]), "{stored}");
+}
+
 /// Frames of one connection are answered in the order they came: a `send` then a `pull`
 /// (or a `sync`) sent at once get the `send_ack` (and the sender's own `msg`) before the
 /// `pull_result` (`sync_result`), which holds the message.
