@@ -997,9 +997,9 @@ impl Engine {
         Ok(())
     }
 
-    /// The group `id`, for a change by `actor`. A conversation that does not exist and one
-    /// `actor` is not in answer alike (`not_member`), so probing reveals nothing; only a
-    /// member learns that a single chat is not a group.
+    /// The group `id`, for a change by `actor`: `not_found` when there is no such
+    /// conversation, `not_member` when `actor` is not in it; only a member learns that a
+    /// single chat is not a group.
     fn member_group_mut(
         &mut self,
         id: &ConversationId,
@@ -1008,7 +1008,8 @@ impl Engine {
         match self.conversations.get_mut(id) {
             Some(c) if c.members.contains_key(&actor) && c.is_group => Ok(c),
             Some(c) if c.members.contains_key(&actor) => Err(DomainError::invalid("not a group")),
-            _ => Err(DomainError::NotMember),
+            Some(_) => Err(DomainError::NotMember),
+            None => Err(DomainError::NotFound("conversation")),
         }
     }
 
@@ -1019,7 +1020,8 @@ impl Engine {
     ) -> Result<&mut ConversationState, DomainError> {
         match self.conversations.get_mut(id) {
             Some(c) if c.members.contains_key(&user) => Ok(c),
-            _ => Err(DomainError::NotMember),
+            Some(_) => Err(DomainError::NotMember),
+            None => Err(DomainError::NotFound("conversation")),
         }
     }
 

@@ -157,6 +157,8 @@ pub trait Store: Send + Sync + 'static {
         conv: &ConversationId,
         user: UserId,
     ) -> Result<Option<Membership>, StoreError>;
+    /// Whether `conv` exists (a single chat exists from its first message on).
+    async fn conversation_exists(&self, conv: &ConversationId) -> Result<bool, StoreError>;
     /// One page of `conv` between seqs `lo ..= hi` (the reader's visible range), as `reader`
     /// sees it, ascending; and whether more exist beyond the page in the direction asked.
     async fn history(

@@ -96,12 +96,23 @@ impl App {
         secrets_equal(key, &self.admin_key)
     }
 
-    /// The caller's membership of `conv` (current or ended); `not_member` when none.
+    /// The caller's membership of `conv` (current or ended); when none, `not_member`, or
+    /// `not_found` when there is no such conversation ([`Self::not_in`]).
     pub async fn membership(&self, user: UserId, conv: &ConversationId) -> ApiResult<Membership> {
-        self.store
-            .membership(conv, user)
-            .await?
-            .ok_or_else(ApiError::not_member)
+        match self.store.membership(conv, user).await? {
+            Some(m) => Ok(m),
+            None => Err(self.not_in(conv).await),
+        }
+    }
+
+    /// The refusal of a conversation the caller was never in: `not_member` when it exists,
+    /// `not_found` when it does not (PROTOCOL.md 1's table: no such conversation or group).
+    pub async fn not_in(&self, conv: &ConversationId) -> ApiError {
+        match self.store.conversation_exists(conv).await {
+            Ok(true) => ApiError::not_member(),
+            Ok(false) => ApiError::not_found("conversation"),
+            Err(e) => e.into(),
+        }
     }
 
     /// The seqs of `conv` the caller may read.
@@ -146,7 +157,10 @@ impl App {
             .store
             .conversations(user, Some(conv), None, 1, true)
             .await?;
-        list.pop().ok_or_else(ApiError::not_member)
+        match list.pop() {
+            Some(c) => Ok(c),
+            None => Err(self.not_in(conv).await),
+        }
     }
 
     /// Level one of sync: the inbox head and the read fan-out groups that moved.

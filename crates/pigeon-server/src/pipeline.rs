@@ -1122,6 +1122,12 @@ mod tests {
         ) -> Result<Option<pigeon_core::store::Membership>, pigeon_core::StoreError> {
             self.0.membership(conv, user).await
         }
+        async fn conversation_exists(
+            &self,
+            conv: &ConversationId,
+        ) -> Result<bool, pigeon_core::StoreError> {
+            self.0.conversation_exists(conv).await
+        }
         async fn history(
             &self,
             conv: &ConversationId,

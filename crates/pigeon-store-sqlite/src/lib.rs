@@ -504,6 +504,12 @@ impl Store for SqliteStore {
         self.read(move |c| read::membership(c, &conv, user)).await
     }
 
+    async fn conversation_exists(&self, conv: &ConversationId) -> Result<bool, StoreError> {
+        let conv = conv.clone();
+        self.read(move |c| read::conversation_exists(c, &conv))
+            .await
+    }
+
     async fn history(
         &self,
         conv: &ConversationId,

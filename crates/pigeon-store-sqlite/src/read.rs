@@ -59,6 +59,13 @@ pub fn membership(
     .optional()
 }
 
+pub fn conversation_exists(c: &Connection, conv: &ConversationId) -> rusqlite::Result<bool> {
+    c.prepare_cached("SELECT 1 FROM conversations WHERE conversation_id = ?1")?
+        .query_row([conv.as_str()], |_| Ok(()))
+        .optional()
+        .map(|found| found.is_some())
+}
+
 /// A message as `reader` sees it, from a row of MESSAGE_COLUMNS followed by a hidden flag.
 fn reader_message(r: &rusqlite::Row, at: usize) -> rusqlite::Result<Message> {
     let hidden: bool = r

@@ -267,7 +267,7 @@ async fn interactive(args: ChatArgs, api: Http, token: String) -> Result<(), Cli
                                     }
                                 }
                                 // A single chat exists from its first message on.
-                                Err(e) if e.code() == Some("not_member") && to.parse::<u64>().is_ok() => println!("(new chat with {to})"),
+                                Err(e) if e.code() == Some("not_found") && to.parse::<u64>().is_ok() => println!("(new chat with {to})"),
                                 Err(e) => return Err(e),
                             }
                             open = Some((conv, target(to)?));

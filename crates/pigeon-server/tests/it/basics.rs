@@ -452,9 +452,10 @@ async fn sending_to_yourself_or_to_strangers_is_refused() {
         code_of(alice.get("/v1/conversations/222-333").await),
         "not_member"
     );
+    // No such group: PROTOCOL.md 1's table, `not_found`.
     assert_eq!(
         code_of(alice.get("/v1/conversations/g12345").await),
-        "not_member"
+        "not_found"
     );
 }
 

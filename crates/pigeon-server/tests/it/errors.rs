@@ -1,7 +1,8 @@
 //! Bad input: every malformed frame or request gets its error and the server keeps serving.
 
 use crate::*;
-use serde_json::json;
+use reqwest::Method;
+use serde_json::{Value, json};
 
 async fn connected() -> (TestServer, WsConn) {
     let s = spawn_server().await;
@@ -209,7 +210,7 @@ async fn http_bad_input_gets_protocol_errors() {
     let alice = s.user(111).await;
     let (status, body) = alice
         .raw(
-            reqwest::Method::POST,
+            Method::POST,
             "/v1/messages",
             Some(&json!({"nonsense": true})),
         )
@@ -256,7 +257,7 @@ async fn http_bad_input_gets_protocol_errors() {
         "not_found"
     );
     let (status, body) = alice
-        .raw(reqwest::Method::GET, "/v1/nothing-here", None)
+        .raw(Method::GET, "/v1/nothing-here", None)
         .await
         .unwrap();
     assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
@@ -304,7 +305,7 @@ async fn reading_someone_elses_conversation_reveals_nothing() {
         "/v1/conversations/222-333/messages/range?from=1&to=1".to_string(),
         "/v1/conversations/222-333/receipts?seq=1".to_string(),
     ] {
-        let (status, body) = eve.raw(reqwest::Method::GET, &path, None).await.unwrap();
+        let (status, body) = eve.raw(Method::GET, &path, None).await.unwrap();
         assert!(status == 403 || status == 404, "{path}: {status}");
         assert!(body["code"] == "not_member" || body["code"] == "not_found");
         assert!(!body.to_string().contains("private"));
@@ -342,7 +343,7 @@ async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
     for i in 0..100 {
         let (status, body) = alice
             .raw(
-                reqwest::Method::POST,
+                Method::POST,
                 "/v1/messages",
                 Some(&text_to_user(&format!("r{i}"), 2, "x")),
             )
@@ -399,13 +400,13 @@ async fn forbidden_not_member_muted_and_conflict_carry_their_http_status() {
     let _carol = s.user(333).await;
     let dave = s.user(444).await;
     let g = new_group(&alice, &[222, 333]).await;
-    let post = reqwest::Method::POST;
+    let post = Method::POST;
 
     // A plain member updating the group: 403 forbidden.
     assert_eq!(
         status_and_code(
             &bob,
-            reqwest::Method::PATCH,
+            Method::PATCH,
             &format!("/v1/groups/{g}"),
             Some(&json!({"name": "mine"})),
         )
@@ -486,7 +487,7 @@ async fn late_edits_and_recalls_answer_409_window_expired() {
     assert_eq!(
         status_and_code(
             &alice,
-            reqwest::Method::PATCH,
+            Method::PATCH,
             &format!("/v1/messages/{id}"),
             Some(&json!({"content": "second"})),
         )
@@ -496,7 +497,7 @@ async fn late_edits_and_recalls_answer_409_window_expired() {
     assert_eq!(
         status_and_code(
             &alice,
-            reqwest::Method::POST,
+            Method::POST,
             &format!("/v1/messages/{id}/recall"),
             None,
         )
@@ -516,7 +517,7 @@ async fn content_over_the_limit_answers_413_payload_too_large() {
     assert_eq!(
         status_and_code(
             &alice,
-            reqwest::Method::POST,
+            Method::POST,
             "/v1/messages",
             Some(&text_to_user("big", 222, &"x".repeat(1001))),
         )
@@ -719,5 +720,85 @@ async fn the_upgrade_takes_the_listed_platforms_and_refuses_others() {
             Err(e) => panic!("platform={platform}: refused otherwise than with 400: {e}"),
             Ok(ws) => panic!("platform={platform} was let in: {}", ws.hello),
         }
+    }
+}
+
+/// PROTOCOL.md 1: `not_found` is for "no such ... conversation, group", `not_member` for a
+/// conversation the caller is not in. Every conversation endpoint, and `pull` over
+/// WebSocket, tells a group that was never created (404 `not_found`) from one that exists
+/// without the caller (403 `not_member`), and neither answer carries the conversation's data.
+#[tokio::test]
+async fn a_missing_conversation_is_not_found_and_another_one_not_member_everywhere() {
+    let s = spawn_server().await;
+    let owner = s.user(3001).await;
+    let _ = s.user(3002).await;
+    let stranger_token = s.token(3003).await;
+    let stranger = s.anon().with_bearer(stranger_token.clone());
+    let existing = new_group_named(&owner, "theirs", &[3002]).await;
+    owner
+        .post("/v1/messages", &text_to_conv("m1", &existing, "private"))
+        .await
+        .unwrap();
+    let mut ws = s.ws(&stranger_token, "d").await;
+    for (conv, status, code) in [
+        ("g123456789", 404, "not_found"),
+        (existing.as_str(), 403, "not_member"),
+    ] {
+        let calls: Vec<(Method, String, Option<Value>)> = vec![
+            (Method::GET, format!("/v1/conversations/{conv}"), None),
+            (
+                Method::GET,
+                format!("/v1/conversations/{conv}/messages"),
+                None,
+            ),
+            (
+                Method::GET,
+                format!("/v1/conversations/{conv}/messages/range?from=1&to=2"),
+                None,
+            ),
+            (
+                Method::POST,
+                format!("/v1/conversations/{conv}/read"),
+                Some(json!({"seq": 1})),
+            ),
+            (
+                Method::GET,
+                format!("/v1/conversations/{conv}/receipts?seq=1"),
+                None,
+            ),
+            (
+                Method::PUT,
+                format!("/v1/conversations/{conv}/settings"),
+                Some(json!({"pinned": true})),
+            ),
+            (
+                Method::POST,
+                "/v1/messages".to_owned(),
+                Some(text_to_conv("probe", conv, "hello?")),
+            ),
+        ];
+        for (method, path, body) in calls {
+            let (got, answer) = stranger
+                .raw(method.clone(), &path, body.as_ref())
+                .await
+                .unwrap();
+            assert_eq!(
+                (got, answer["code"].as_str()),
+                (status, Some(code)),
+                "{method} {path}: {answer}"
+            );
+            assert!(!answer.to_string().contains("private"), "{answer}");
+        }
+        let pulled = request(
+            &mut ws,
+            json!({"type": "pull", "chain": "conversation", "conversation_id": conv}),
+            1,
+        )
+        .await;
+        assert_eq!(
+            (pulled["type"].as_str(), pulled["code"].as_str()),
+            (Some("error"), Some(code)),
+            "{pulled}"
+        );
     }
 }

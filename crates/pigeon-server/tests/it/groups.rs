@@ -1158,13 +1158,13 @@ fn group_calls(conv: &str) -> Vec<(reqwest::Method, String, Option<Value>)> {
     ]
 }
 
-/// PROTOCOL-EXTENSIONS.md: "A conversation that does not exist answers `not_member` (never
-/// `not_found`), so that probing reveals nothing": a stranger gets the same 403 `not_member`
-/// from the group endpoints for an existing group, for a group id that never existed and for
-/// a single chat of two other users. Only a participant of a single chat learns that it is
-/// not a group (400 `invalid_argument`).
+/// PROTOCOL.md 1: a stranger gets 403 `not_member` from the group endpoints for an existing
+/// group and for a single chat of two other users alike (nothing tells a group from a
+/// single chat), and 404 `not_found` for a group id that never existed ("no such ...
+/// group"). Only a participant of a single chat learns that it is not a group (400
+/// `invalid_argument`).
 #[tokio::test]
-async fn group_endpoints_answer_a_stranger_alike_whether_the_group_exists_or_not() {
+async fn group_endpoints_answer_a_stranger_not_member_and_a_missing_group_not_found() {
     let s = spawn_server().await;
     let Trio { alice, bob, id, .. } = trio(&s).await;
     let dave = s.user(444).await;
@@ -1183,12 +1183,17 @@ async fn group_endpoints_answer_a_stranger_alike_whether_the_group_exists_or_not
             "{method} {path}: {}",
             existing.1
         );
-        // Status and body alike: nothing tells the existing group from the others.
-        for other in ["g123456789", "222-333"] {
-            let (m, p, b) = group_calls(other).swap_remove(i);
-            let answer = dave.raw(m, &p, b.as_ref()).await.unwrap();
-            assert_eq!(answer, existing, "{method} {p} answers as {path} does");
-        }
+        // Status and body alike: nothing tells the group from the single chat.
+        let (m, p, b) = group_calls("222-333").swap_remove(i);
+        let answer = dave.raw(m, &p, b.as_ref()).await.unwrap();
+        assert_eq!(answer, existing, "{method} {p} answers as {path} does");
+        let (m, p, b) = group_calls("g123456789").swap_remove(i);
+        let (status, missing) = dave.raw(m, &p, b.as_ref()).await.unwrap();
+        assert_eq!(
+            (status, missing["code"].as_str()),
+            (404, Some("not_found")),
+            "{method} {p}: {missing}"
+        );
     }
     // bob is in the single chat: he is told it is not a group.
     for (method, path, body) in group_calls("222-333") {
