@@ -850,7 +850,7 @@ impl Engine {
         ev: &mut Vec<Event>,
     ) -> Outcome {
         let msg = self.existing_message(msg_id)?;
-        let conv_id = self.visible_conversation_of(&msg, actor)?;
+        let conv_id = self.recallable_conversation_of(&msg, actor)?;
         if !msg.kind.is_user_content() {
             return Err(DomainError::invalid("only user messages can be recalled"));
         }
@@ -962,6 +962,24 @@ impl Engine {
             Some(m) if msg.seq >= m.joined_seq => Ok(conv_id),
             _ => Err(DomainError::NotFound("message")),
         }
+    }
+
+    /// The conversation of a message `actor` may recall: one they see, or any message of a
+    /// group they own or administer, sent before they joined too (PROTOCOL.md 6: "a group's
+    /// owner and admins may recall any message of the group at any time").
+    fn recallable_conversation_of(
+        &self,
+        msg: &Message,
+        actor: UserId,
+    ) -> Result<ConversationId, DomainError> {
+        if let Ok(conv_id) = ConversationId::parse(&msg.conversation_id)
+            && let Some(conv) = self.conversations.get(&conv_id)
+            && conv.is_group
+            && conv.members.get(&actor).is_some_and(|m| m.role.manages())
+        {
+            return Ok(conv_id);
+        }
+        self.visible_conversation_of(msg, actor)
     }
 
     fn existing_message(&self, msg_id: MsgId) -> Result<Message, DomainError> {

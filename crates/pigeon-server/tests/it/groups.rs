@@ -657,6 +657,45 @@ async fn the_owner_appoints_admins_who_kick_members_but_not_admins() {
     assert_eq!(member(&alice, &id, 111).await["role"], "owner");
 }
 
+/// PROTOCOL.md 6: "a group's owner and admins may recall any message of the group at any
+/// time": an admin appointed after joining recalls a message sent before they joined
+/// (which they cannot read), and everyone then reads it as recalled.
+#[tokio::test]
+async fn an_admin_recalls_a_message_sent_before_they_joined() {
+    let s = spawn_server().await;
+    let Trio { alice, bob, id, .. } = trio(&s).await;
+    let dave = s.user(444).await;
+    let sent = bob
+        .post("/v1/messages", &text_to_conv("early", &id, "before dave"))
+        .await
+        .unwrap();
+    let msg_id = sent["msg_id"].as_str().unwrap().to_owned();
+    invite(&alice, &id, &[444]).await.unwrap();
+    // Not his to recall while he is a plain member (he cannot see it).
+    assert_eq!(
+        code_of(
+            dave.post(&format!("/v1/messages/{msg_id}/recall"), &json!({}))
+                .await
+        ),
+        "not_found"
+    );
+    alice
+        .put(&format!("/v1/groups/{id}/admins/444"), None)
+        .await
+        .unwrap();
+    let recalled = dave
+        .post(&format!("/v1/messages/{msg_id}/recall"), &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(recalled["status"], "recalled", "{recalled}");
+    let m = at_seq(&alice, &id, sent["seq"].as_u64().unwrap()).await;
+    assert_eq!(
+        (m["status"].as_str(), m["content"].as_str()),
+        (Some("recalled"), Some("")),
+        "{m}"
+    );
+}
+
 #[tokio::test]
 async fn group_updates_carry_only_the_changed_fields() {
     let s = spawn_server().await;
