@@ -213,7 +213,11 @@ impl App {
                 }
                 let from = match f.from {
                     Some(v) => v,
-                    None => self.store.cursor(user, device.as_str(), "user").await? + 1,
+                    None => self
+                        .store
+                        .cursor(user, device.as_str(), "user")
+                        .await?
+                        .saturating_add(1),
                 };
                 let to = match f.to {
                     Some(v) => v,
@@ -229,12 +233,11 @@ impl App {
                 let (lo, hi) = self.readable_range(user, conv, f.from).await?;
                 let from = match f.from {
                     Some(v) => v,
-                    None => {
-                        self.store
-                            .cursor(user, device.as_str(), conv.as_str())
-                            .await?
-                            + 1
-                    }
+                    None => self
+                        .store
+                        .cursor(user, device.as_str(), conv.as_str())
+                        .await?
+                        .saturating_add(1),
                 };
                 let to = f.to.unwrap_or(hi).min(hi);
                 let from = from.max(lo);

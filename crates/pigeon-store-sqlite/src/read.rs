@@ -59,6 +59,12 @@ pub fn membership(
     .optional()
 }
 
+/// A seq given by a client, as SQLite's integer: one past `i64::MAX` (which no seq
+/// reaches) reads as `i64::MAX`, "beyond everything", instead of wrapping to a negative.
+pub fn seq_arg(seq: u64) -> i64 {
+    i64::try_from(seq).unwrap_or(i64::MAX)
+}
+
 pub fn conversation_exists(c: &Connection, conv: &ConversationId) -> rusqlite::Result<bool> {
     c.prepare_cached("SELECT 1 FROM conversations WHERE conversation_id = ?1")?
         .query_row([conv.as_str()], |_| Ok(()))
@@ -112,8 +118,8 @@ pub fn history(
     let rows = st.query_map(
         params![
             conv.as_str(),
-            lo as i64,
-            hi as i64,
+            seq_arg(lo),
+            seq_arg(hi),
             reader.get() as i64,
             q.from_time.unwrap_or(i64::MIN),
             q.to_time.unwrap_or(i64::MAX),
@@ -150,7 +156,9 @@ pub fn seqs_created_within(
     // "never" past the last.
     let mut created_from = |seq: u64| -> rusqlite::Result<i64> {
         Ok(st
-            .query_row(params![conv.as_str(), seq as i64, hi as i64], |r| r.get(0))
+            .query_row(params![conv.as_str(), seq_arg(seq), seq_arg(hi)], |r| {
+                r.get(0)
+            })
             .optional()?
             .unwrap_or(i64::MAX))
     };
@@ -202,7 +210,7 @@ fn unread_count(
     }
     c.prepare_cached(UNREAD_SQL)?
         .query_row(
-            params![conv, after as i64, upto as i64, reader.get() as i64],
+            params![conv, seq_arg(after), seq_arg(upto), reader.get() as i64],
             |r| r.get::<_, i64>(0),
         )
         .map(|n| n as u64)
@@ -407,12 +415,15 @@ pub fn pull_inbox(
     }
     let mut st = c.prepare_cached(&pull_inbox_sql(limit))?;
     let mut items = st
-        .query_map(params![user.get() as i64, from as i64, to as i64], |r| {
-            Ok(ChainItem {
-                seq: r.get::<_, i64>(0)? as u64,
-                message: reader_message(r, 1)?,
-            })
-        })?
+        .query_map(
+            params![user.get() as i64, seq_arg(from), seq_arg(to)],
+            |r| {
+                Ok(ChainItem {
+                    seq: r.get::<_, i64>(0)? as u64,
+                    message: reader_message(r, 1)?,
+                })
+            },
+        )?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let has_more = items.len() > limit as usize;
     items.truncate(limit as usize);
@@ -506,7 +517,7 @@ fn message_at(
 ) -> rusqlite::Result<Option<Message>> {
     let id = c
         .prepare_cached("SELECT msg_id FROM messages WHERE conversation_id = ?1 AND seq = ?2")?
-        .query_row(params![conv, seq as i64], |r| r.get::<_, i64>(0))
+        .query_row(params![conv, seq_arg(seq)], |r| r.get::<_, i64>(0))
         .optional()?;
     match id {
         Some(m) => message_for(c, reader, m),
@@ -549,14 +560,14 @@ pub fn receipts(
 ) -> rusqlite::Result<(Vec<UserId>, Vec<UserId>)> {
     let sender: Option<i64> = c
         .prepare_cached("SELECT sender FROM messages WHERE conversation_id = ?1 AND seq = ?2")?
-        .query_row(params![conv.as_str(), seq as i64], |r| r.get(0))
+        .query_row(params![conv.as_str(), seq_arg(seq)], |r| r.get(0))
         .optional()?;
     let mut st = c.prepare_cached(
         "SELECT user_id, last_read_seq >= ?2 FROM members WHERE conversation_id = ?1 AND left_seq IS NULL \
          AND joined_seq <= ?2 ORDER BY user_id",
     )?;
     let (mut read, mut unread) = (Vec::new(), Vec::new());
-    let rows = st.query_map(params![conv.as_str(), seq as i64], |r| {
+    let rows = st.query_map(params![conv.as_str(), seq_arg(seq)], |r| {
         Ok((rows::user_id(r, 0)?, r.get::<_, bool>(1)?))
     })?;
     for row in rows {

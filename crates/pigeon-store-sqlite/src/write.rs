@@ -242,7 +242,12 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
              ON CONFLICT (user_id, device_id, chain) DO UPDATE SET seq = max(seq, excluded.seq)",
         )?;
         for (u, d, chain, seq) in every().flat_map(|ch| &ch.cursors) {
-            st.execute(params![u.get() as i64, d.as_str(), chain, *seq as i64])?;
+            st.execute(params![
+                u.get() as i64,
+                d.as_str(),
+                chain,
+                crate::read::seq_arg(*seq)
+            ])?;
         }
     }
     Ok(())

@@ -308,7 +308,10 @@ pub async fn sync(
             notified.as_mut().enable();
             let head = app.store.inbox_head(me).await?;
             if head > after || tokio::time::Instant::now() >= deadline || app.is_draining() {
-                let (items, has_more) = app.store.pull_inbox(me, after + 1, head, limit).await?;
+                let (items, has_more) = app
+                    .store
+                    .pull_inbox(me, after.saturating_add(1), head, limit)
+                    .await?;
                 let summary = app.sync(me, &device, &Default::default()).await?;
                 // `user_seq` is where the answer brings the client: the inbox's newest, or,
                 // when `limit` cut the items short (`has_more`), the last item's. A pull-mode

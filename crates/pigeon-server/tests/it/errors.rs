@@ -802,3 +802,50 @@ async fn a_missing_conversation_is_not_found_and_another_one_not_member_everywhe
         );
     }
 }
+
+/// Seqs a client gives past what SQLite's integers hold (2^63 and up, up to u64::MAX) read
+/// as "beyond everything": a pull to u64::MAX is complete, an inbox long poll after it has
+/// nothing newer, a history page after it is empty, and an ack of it neither breaks the
+/// connection nor makes a later pull wrap around to old messages.
+#[tokio::test]
+async fn seqs_past_sqlites_integers_read_as_beyond_everything() {
+    let s = spawn_server().await;
+    let ta = s.token(3101).await;
+    let alice = s.anon().with_bearer(ta.clone());
+    let bob = s.user(3102).await;
+    for i in 0..3 {
+        bob.post(
+            "/v1/messages",
+            &text_to_user(&format!("big-{i}"), 3101, "x"),
+        )
+        .await
+        .unwrap();
+    }
+    let huge = u64::MAX;
+    let mut ws = s.ws(&ta, "d").await;
+    let pulled = request(
+        &mut ws,
+        json!({"type": "pull", "chain": "user", "from": 1, "to": huge}),
+        1,
+    )
+    .await;
+    assert_eq!(item_seqs(&pulled), vec![1, 2, 3], "{pulled}");
+    assert_eq!(pulled["has_more"], false, "{pulled}");
+    let polled = alice
+        .get(&format!("/v1/sync?user_seq={huge}&wait_ms=0"))
+        .await
+        .unwrap();
+    assert_eq!(polled["items"], json!([]), "{polled}");
+    let page = history_page(&alice, "3101-3102", &format!("?after={huge}")).await;
+    assert_eq!(page["messages"], json!([]), "{page}");
+    ws.send(&json!({"type": "ack", "user_seq": huge}))
+        .await
+        .unwrap();
+    let after_ack = request(&mut ws, json!({"type": "pull", "chain": "user"}), 2).await;
+    assert_eq!(after_ack["type"], "pull_result", "{after_ack}");
+    assert_eq!(
+        after_ack["items"],
+        json!([]),
+        "nothing wraps around: {after_ack}"
+    );
+}
