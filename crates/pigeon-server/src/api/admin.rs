@@ -1,13 +1,13 @@
 //! The admin API: the application's back end registers users, mints and revokes tokens, and
 //! audits or deletes messages.
 
-use super::{Admin, ApiJson, path_msg_id, path_user, run};
+use super::{Admin, ApiJson, ApiPath, path_msg_id, path_user, run};
 use crate::app::AppRef;
 use crate::auth::Claims;
 use crate::error::{ApiError, ApiResult};
 use crate::pipeline::now_ms;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use pigeon_core::command::{Command, Reply};
 use pigeon_core::rules;
 use pigeon_proto::views::UserView;
@@ -101,7 +101,7 @@ pub async fn mint_token(
 pub async fn logout(
     _: Admin,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
     let user = path_user(&id)?;
     app.store
@@ -128,7 +128,7 @@ pub async fn logout(
 pub async fn get_message(
     _: Admin,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
     let msg_id = path_msg_id(&id)?;
     let audited = app
@@ -156,7 +156,7 @@ pub async fn get_message(
 pub async fn delete_message(
     _: Admin,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Message>> {
     let msg_id = path_msg_id(&id)?;
     match app.pipeline.call(Command::AdminDelete { msg_id }).await? {

@@ -1,11 +1,11 @@
 //! Conversations over HTTP: the list, one conversation, history pages, read marks, receipts,
 //! settings, unread counts, and the long-polling pull-mode sync.
 
-use super::{ApiJson, ApiQuery, AuthUser, run_then_view};
+use super::{ApiJson, ApiPath, ApiQuery, AuthUser, run_then_view};
 use crate::app::{AppRef, PULL_MAX, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use pigeon_core::command::{Command, Reply, SettingsPatch};
 use pigeon_core::store::{HistoryAnchor, HistoryQuery, ListCursor};
 use pigeon_proto::DeviceId;
@@ -83,7 +83,7 @@ pub async fn list(
 pub async fn one(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
     Ok(Json(app.conversation(me, &conv).await?))
@@ -101,7 +101,7 @@ pub struct HistoryParams {
 pub async fn history(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<HistoryParams>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
@@ -141,7 +141,7 @@ pub struct RangeParams {
 pub async fn range(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<RangeParams>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
@@ -177,7 +177,7 @@ pub struct ReadBody {
 pub async fn read(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<ReadBody>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
@@ -207,7 +207,7 @@ pub struct ReceiptParams {
 pub async fn receipts(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<ReceiptParams>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
@@ -229,7 +229,7 @@ pub struct SettingsBody {
 pub async fn settings(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<SettingsBody>,
 ) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;

@@ -1,11 +1,11 @@
 //! Group management over HTTP. Every change goes through the pipeline, which checks who may
 //! make it and appends the command message that tells every member.
 
-use super::{ApiJson, ApiQuery, AuthUser, path_user, run, run_then_view};
+use super::{ApiJson, ApiPath, ApiQuery, AuthUser, path_user, run, run_then_view};
 use crate::app::{AppRef, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use pigeon_core::command::{Command, GroupPatch, Reply};
 use pigeon_core::rules;
 use pigeon_proto::UserId;
@@ -59,7 +59,7 @@ pub struct UpdateBody {
 pub async fn update(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<UpdateBody>,
 ) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
@@ -98,7 +98,7 @@ pub struct InviteBody {
 pub async fn invite(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<InviteBody>,
 ) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
@@ -118,7 +118,7 @@ pub async fn invite(
 pub async fn remove(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path((id, uid)): Path<(String, String)>,
+    ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
@@ -157,7 +157,7 @@ async fn set_admin(
 pub async fn add_admin(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path((id, uid)): Path<(String, String)>,
+    ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
     set_admin(app, me, id, uid, true).await
 }
@@ -165,7 +165,7 @@ pub async fn add_admin(
 pub async fn remove_admin(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path((id, uid)): Path<(String, String)>,
+    ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
     set_admin(app, me, id, uid, false).await
 }
@@ -179,7 +179,7 @@ pub struct MuteBody {
 pub async fn mute(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<MuteBody>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
@@ -198,7 +198,7 @@ pub async fn mute(
 pub async fn unmute(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path((id, uid)): Path<(String, String)>,
+    ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
@@ -216,7 +216,7 @@ pub async fn unmute(
 pub async fn dismiss(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
     run(
@@ -238,7 +238,7 @@ pub struct MembersQuery {
 pub async fn members(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<MembersQuery>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;

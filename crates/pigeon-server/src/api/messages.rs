@@ -1,10 +1,10 @@
 //! Sending, recalling, editing and deleting-for-me over HTTP.
 
-use super::{ApiJson, AuthUser, path_msg_id};
+use super::{ApiJson, ApiPath, AuthUser, path_msg_id};
 use crate::app::AppRef;
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use pigeon_core::command::{Command, Reply};
 use pigeon_core::rules::{validate_edit_content, validate_send, visible_range};
 use pigeon_proto::views::{SendAck, SendRequest, VersionView};
@@ -44,7 +44,7 @@ fn expect_message(reply: Reply) -> ApiResult<Json<Message>> {
 pub async fn recall(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Message>> {
     let msg_id = path_msg_id(&id)?;
     expect_message(
@@ -62,7 +62,7 @@ pub struct EditBody {
 pub async fn edit(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<EditBody>,
 ) -> ApiResult<Json<Message>> {
     let msg_id = path_msg_id(&id)?;
@@ -103,7 +103,7 @@ async fn readable_message(app: &AppRef, me: UserId, msg_id: MsgId) -> ApiResult<
 pub async fn versions(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
     let msg_id = path_msg_id(&id)?;
     let msg = readable_message(&app, me, msg_id).await?;
@@ -124,7 +124,7 @@ pub async fn versions(
 pub async fn hide(
     AuthUser(me): AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Message>> {
     let msg_id = path_msg_id(&id)?;
     readable_message(&app, me, msg_id).await?;

@@ -12,7 +12,6 @@ use crate::app::AppRef;
 use crate::auth::bearer;
 use crate::error::ApiError;
 use axum::Router;
-use axum::extract::rejection::QueryRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
@@ -168,16 +167,37 @@ pub struct ApiQuery<T>(pub T);
 impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        // A parameter given empty (`?cursor=&limit=`, as PROTOCOL.md writes the members
+        // query) is one not given: a number's default, not "cannot parse ''".
+        let given = parts.uri.query().unwrap_or("");
+        let query: Vec<&str> = given
+            .split('&')
+            .filter(|pair| !pair.is_empty() && !pair.ends_with('='))
+            .collect();
+        let uri: axum::http::Uri = format!("/?{}", query.join("&"))
+            .parse()
+            .map_err(|_| ApiError::invalid("malformed query string"))?;
+        match axum::extract::Query::<T>::try_from_uri(&uri) {
             Ok(axum::extract::Query(v)) => Ok(ApiQuery(v)),
-            Err(e) => Err(ApiError::invalid(query_error(e))),
+            Err(e) => Err(ApiError::invalid(e.body_text())),
         }
     }
 }
 
-fn query_error(e: QueryRejection) -> String {
-    e.body_text()
+/// Path parameters whose rejections are protocol errors (a segment that is not UTF-8
+/// answers the JSON error body, not axum's plain text).
+pub struct ApiPath<T>(pub T);
+
+impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(ApiPath(v)),
+            Err(e) => Err(ApiError::invalid(e.body_text())),
+        }
+    }
 }
 
 /// Parses a user id from a path segment.

@@ -1,12 +1,12 @@
 //! Live rooms over HTTP: admins open and close them, any user looks at one.
 
-use super::{Admin, AuthUser, empty};
+use super::{Admin, ApiPath, AuthUser, empty};
 use crate::app::AppRef;
 use crate::error::{ApiError, ApiResult};
 use crate::pipeline::now_ms;
 use crate::rooms::RoomError;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use pigeon_proto::ErrorCode;
 use serde_json::{Value, json};
 
@@ -20,7 +20,7 @@ pub async fn create(_: Admin, State(app): State<AppRef>) -> ApiResult<Json<Value
 pub async fn close(
     _: Admin,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
     app.rooms
         .close(&id)
@@ -31,7 +31,7 @@ pub async fn close(
 pub async fn info(
     _: AuthUser,
     State(app): State<AppRef>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
     let (viewers, recent) = app
         .rooms

@@ -849,3 +849,54 @@ async fn seqs_past_sqlites_integers_read_as_beyond_everything() {
         "nothing wraps around: {after_ack}"
     );
 }
+
+/// PROTOCOL.md 6 writes the members query as `?cursor=&limit=`: a parameter given empty is
+/// one not given (its default), on every endpoint with a query.
+#[tokio::test]
+async fn empty_query_parameters_read_as_not_given() {
+    let s = spawn_server().await;
+    let owner = s.user(3201).await;
+    let _ = s.user(3202).await;
+    let g = new_group_named(&owner, "q", &[3202]).await;
+    let members = owner
+        .get(&format!("/v1/groups/{g}/members?cursor=&limit="))
+        .await
+        .unwrap();
+    assert_eq!(members["members"].as_array().unwrap().len(), 2, "{members}");
+    assert_eq!(members["next_cursor"], Value::Null, "{members}");
+    let page = owner
+        .get(&format!("/v1/conversations/{g}/messages?limit=&before="))
+        .await
+        .unwrap();
+    assert_eq!(page["messages"].as_array().unwrap().len(), 1, "{page}");
+    let list = owner.get("/v1/conversations?limit=&cursor=").await.unwrap();
+    assert_eq!(list["conversations"].as_array().unwrap().len(), 1, "{list}");
+    let polled = owner.get("/v1/sync?user_seq=&wait_ms=").await.unwrap();
+    assert!(polled["items"].is_array(), "{polled}");
+}
+
+/// PROTOCOL.md 1: "Every error is `{"code": "...", "message": "human readable"}`": a path
+/// segment that is not UTF-8 too (axum's own answer would be plain text).
+#[tokio::test]
+async fn a_path_segment_that_is_not_utf8_answers_the_json_error_body() {
+    let s = spawn_server().await;
+    let alice = s.user(3301).await;
+    for path in [
+        "/v1/conversations/%FF",
+        "/v1/messages/%C0/versions",
+        "/v1/groups/g1/members/%FF",
+    ] {
+        let method = if path.contains("/members/") {
+            Method::DELETE
+        } else {
+            Method::GET
+        };
+        let (status, body) = alice.raw(method, path, None).await.unwrap();
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (400, Some("invalid_argument")),
+            "{path}: {body}"
+        );
+        assert!(body["message"].is_string(), "{path}: {body}");
+    }
+}
