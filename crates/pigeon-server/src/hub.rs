@@ -353,6 +353,22 @@ impl Hub {
         }
     }
 
+    /// Ends every open connection of `user` after a logout: `kicked`, then the close
+    /// (1008). Once per connection: a second call passes those already ended.
+    pub fn revoke(&self, user: UserId) {
+        let frame: Utf8Bytes = ServerFrame::Kicked {
+            reason: "token_revoked".into(),
+        }
+        .to_json()
+        .into();
+        self.each(user, |c| {
+            if c.outbox.kill_reason().is_none() {
+                c.outbox.send(Outgoing::Frame(frame.clone()));
+                c.outbox.close(KillReason::TokenRevoked);
+            }
+        });
+    }
+
     /// Sends `frame` to every device of each user, except `except_device` of `except_user`.
     pub fn send_to_users(
         &self,
@@ -465,16 +481,9 @@ impl Hub {
                     .to_json();
                     self.send_to_users(&[user], &frame, None);
                 }
-                Event::LoggedOut { user } => {
-                    let frame = ServerFrame::Kicked {
-                        reason: "token_revoked".into(),
-                    }
-                    .to_json();
-                    self.each(user, |c| {
-                        c.outbox.send(Outgoing::Frame(frame.clone().into()));
-                        c.outbox.close(KillReason::TokenRevoked);
-                    });
-                }
+                // Done already by the logout's handler, before it answered; this covers a
+                // logout whose caller went away meanwhile.
+                Event::LoggedOut { user } => self.revoke(user),
             }
         }
     }

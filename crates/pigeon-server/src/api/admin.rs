@@ -110,10 +110,15 @@ pub async fn logout(
         .ok_or_else(|| ApiError::not_found("user"))?;
     // Once acknowledged, no generation remembered before may outlive the logout. In a task
     // of its own: if the caller goes away, the `forget` must still follow the logout.
+    // The user's connections are ended here too, before the answer, rather than only when
+    // the delivery task gets to the logout: "stop working at once" (PROTOCOL.md 3).
     let task_app = app.clone();
     tokio::spawn(async move {
         let done = run(&task_app, Command::Logout { user }).await;
         task_app.token_gens.forget(user);
+        if done.is_ok() {
+            task_app.hub.revoke(user);
+        }
         done
     })
     .await

@@ -131,6 +131,46 @@ async fn expired_tokens_are_refused() {
     assert_eq!(err.code(), Some("unauthorized"));
 }
 
+/// "Stop working at once": once the logout is answered, the user's open connections take
+/// nothing more. A `send` written on one right after the answer gets no `send_ack`: the
+/// connection only ends with `kicked` and 1008. (Rounds, since the window was narrow.)
+#[tokio::test]
+async fn a_send_right_after_the_logout_answer_is_not_taken() {
+    let s = spawn_server().await;
+    let _ = s.user(162).await;
+    for round in 0..20 {
+        let token = s.token(161).await;
+        let mut ws = s.ws(&token, "phone").await;
+        s.admin
+            .post("/v1/admin/users/161/logout", &json!({}))
+            .await
+            .unwrap();
+        let _ = ws
+            .send(&send_frame(text_to_user(
+                &format!("late-{round}"),
+                162,
+                "x",
+            )))
+            .await;
+        let mut frames = Vec::new();
+        while let Ok(Some(f)) = ws.recv(WAIT).await {
+            frames.push(f["type"].as_str().unwrap_or_default().to_owned());
+        }
+        assert_eq!(frames, vec!["kicked"], "round {round}");
+        assert_eq!(
+            ws.closed_with.as_ref().map(|c| c.0),
+            Some(1008),
+            "round {round}"
+        );
+    }
+    let bob = s.user(162).await;
+    assert_eq!(
+        bob.get("/v1/conversations").await.unwrap()["conversations"],
+        json!([]),
+        "no late send was stored"
+    );
+}
+
 /// PROTOCOL.md 3 and 5: revoked tokens "stop working at once, and that user's open
 /// connections receive `kicked` and are closed".
 #[tokio::test]
