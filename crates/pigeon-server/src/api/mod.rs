@@ -15,6 +15,7 @@ use axum::Router;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use pigeon_proto::{ErrorCode, UserId};
 use serde::de::DeserializeOwned;
@@ -93,7 +94,26 @@ pub fn router(app: AppRef) -> Router {
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(catch_panics())
         .with_state(app)
+}
+
+/// A handler that panics (a bug) answers `500 internal` with the protocol's error body,
+/// its message logged and never sent, instead of dropping the connection.
+fn catch_panics() -> tower_http::catch_panic::CatchPanicLayer<fn(PanicPayload) -> Response> {
+    tower_http::catch_panic::CatchPanicLayer::custom(internal_error as fn(_) -> _)
+}
+
+type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
+
+fn internal_error(panic: PanicPayload) -> Response {
+    let what = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("(not a string)");
+    tracing::error!(panic = what, "a request handler panicked");
+    ApiError::new(ErrorCode::Internal, "internal error").into_response()
 }
 
 /// The authenticated user of a request (`Authorization: Bearer <user token>`).
@@ -236,4 +256,32 @@ pub async fn run_then_view(
 ) -> Result<axum::Json<pigeon_proto::views::ConversationView>, ApiError> {
     app.pipeline.call(cmd).await?;
     Ok(axum::Json(app.conversation(me, conv).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panicking handler answers 500 with `{"code":"internal"}` and nothing of the panic.
+    #[tokio::test]
+    async fn a_panicking_handler_answers_internal_without_its_message() {
+        let router: Router = Router::new()
+            .route(
+                "/boom",
+                get(|| async {
+                    if std::hint::black_box(true) {
+                        panic!("secret detail of a bug");
+                    }
+                }),
+            )
+            .layer(catch_panics());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        let answer = reqwest::get(format!("http://{addr}/boom")).await.unwrap();
+        assert_eq!(answer.status().as_u16(), 500);
+        let body: serde_json::Value = answer.json().await.unwrap();
+        assert_eq!(body["code"], "internal", "{body}");
+        assert!(!body.to_string().contains("secret"), "{body}");
+    }
 }
