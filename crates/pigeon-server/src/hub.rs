@@ -173,7 +173,7 @@ pub struct Hub {
     /// all and per user. Counted apart from the registrations, which begin only once an
     /// upgrade is done: checked against those, every upgrade racing another would pass.
     admitted: Mutex<AdmittedCounts>,
-    waiters: Mutex<HashMap<UserId, Arc<Notify>>>,
+    waiters: Mutex<HashMap<UserId, Arc<WaitState>>>,
     /// Long polls in progress; when none, publishing skips the waiters lock.
     waiting: AtomicUsize,
     offline: Option<OfflineHook>,
@@ -405,7 +405,7 @@ impl Hub {
                         .as_ref()
                         .filter(|_| message.kind.is_user_content());
                     for r in recipients {
-                        self.wake(r.user);
+                        self.wake(r.user, r.user_seq.is_none());
                         let chain = match (r.user_seq, &conv) {
                             (Some(us), _) => PushChain::Inbox(us),
                             (None, Some(c)) => PushChain::Conversation(c.clone(), message.seq),
@@ -524,40 +524,66 @@ impl Hub {
     /// when the request is dropped mid-wait (the client went away).
     pub fn waiter(self: &Arc<Self>, user: UserId) -> Waiter {
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        let notify = self
+        let state = self
             .waiters
             .lock()
             .expect("waiters lock")
             .entry(user)
             .or_default()
             .clone();
+        let group_messages_at_start = state.group_messages.load(Ordering::SeqCst);
         Waiter {
             hub: self.clone(),
             user,
-            notify: Some(notify),
+            state: Some(state),
+            group_messages_at_start,
         }
     }
 
-    fn wake(&self, user: UserId) {
+    /// Wakes the long polls of `user`; `in_group` for a message of a read fan-out group,
+    /// which moves no inbox (the polls learn of it from [`Waiter::group_message_arrived`]).
+    fn wake(&self, user: UserId, in_group: bool) {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
-        if let Some(n) = self.waiters.lock().expect("waiters lock").get(&user) {
-            n.notify_waiters();
+        if let Some(w) = self.waiters.lock().expect("waiters lock").get(&user) {
+            if in_group {
+                w.group_messages.fetch_add(1, Ordering::SeqCst);
+            }
+            w.notify.notify_waiters();
         }
     }
 }
 
-/// A long poll's interest in a user's inbox (see [`Hub::waiter`]).
+/// What the long polls of one user share.
+#[derive(Default)]
+struct WaitState {
+    notify: Notify,
+    /// Messages of read fan-out groups delivered to the user while a poll was waiting.
+    group_messages: AtomicU64,
+}
+
+/// A long poll's interest in a user's inbox and read fan-out groups (see [`Hub::waiter`]).
 pub struct Waiter {
     hub: Arc<Hub>,
     user: UserId,
-    notify: Option<Arc<Notify>>,
+    state: Option<Arc<WaitState>>,
+    group_messages_at_start: u64,
 }
 
 impl Waiter {
     pub fn notify(&self) -> &Notify {
-        self.notify.as_deref().expect("held until drop")
+        &self.state().notify
+    }
+
+    /// Whether a message of one of the user's read fan-out groups was delivered since this
+    /// poll began.
+    pub fn group_message_arrived(&self) -> bool {
+        self.state().group_messages.load(Ordering::SeqCst) != self.group_messages_at_start
+    }
+
+    fn state(&self) -> &WaitState {
+        self.state.as_deref().expect("held until drop")
     }
 }
 
@@ -565,7 +591,7 @@ impl Drop for Waiter {
     /// Drops the user's notifier when no long poll holds it any more.
     fn drop(&mut self) {
         let mut w = self.hub.waiters.lock().expect("waiters lock");
-        drop(self.notify.take());
+        drop(self.state.take());
         self.hub.waiting.fetch_sub(1, Ordering::SeqCst);
         if w.get(&self.user).is_some_and(|n| Arc::strong_count(n) == 1) {
             w.remove(&self.user);

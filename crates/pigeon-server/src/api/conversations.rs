@@ -307,7 +307,11 @@ pub async fn sync(
             tokio::pin!(notified);
             notified.as_mut().enable();
             let head = app.store.inbox_head(me).await?;
-            if head > after || tokio::time::Instant::now() >= deadline || app.is_draining() {
+            if head > after
+                || waiter.group_message_arrived()
+                || tokio::time::Instant::now() >= deadline
+                || app.is_draining()
+            {
                 let (items, has_more) = app
                     .store
                     .pull_inbox(me, after.saturating_add(1), head, limit)

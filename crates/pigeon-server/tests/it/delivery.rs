@@ -388,6 +388,38 @@ async fn a_device_offline_for_thousands_of_messages_catches_up_in_pages() {
     assert_eq!(pages, 8);
 }
 
+/// PROTOCOL.md 6: `GET /v1/sync` "waits up to `wait_ms` for something to arrive": a message
+/// in a read fan-out group (which moves no inbox) arrives too. The poll answers once it
+/// comes, with the group in `conversations`.
+#[tokio::test]
+async fn long_poll_answers_when_a_read_fanout_group_message_arrives() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(1).await;
+    let bob = s.user(2).await;
+    let _ = s.user(3).await;
+    let g = new_group_named(&owner, "rf-poll", &[2, 3]).await;
+    let head = bob.get("/v1/sync?wait_ms=0").await.unwrap()["user_seq"].clone();
+    let poll = format!("/v1/sync?user_seq={head}&wait_ms=20000");
+    let waiting = tokio::spawn(async move { bob.get(&poll).await.unwrap() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "nothing arrived yet");
+    owner
+        .post("/v1/messages", &text_to_conv("rf-1", &g, "to the group"))
+        .await
+        .unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("answered before wait_ms")
+        .unwrap();
+    assert_eq!(r["items"], json!([]), "no inbox item: {r}");
+    let listed = r["conversations"].as_array().unwrap();
+    assert!(
+        listed.iter().any(|c| c["conversation_id"] == g.as_str()
+            && c["last_message"]["content"] == "to the group"),
+        "{r}"
+    );
+}
+
 #[tokio::test]
 async fn long_poll_answers_as_soon_as_something_arrives() {
     let s = spawn_server().await;
