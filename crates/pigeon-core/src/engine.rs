@@ -1015,9 +1015,8 @@ impl Engine {
         Ok(())
     }
 
-    /// The group `id`, for a change by `actor`: `not_found` when there is no such
-    /// conversation, `not_member` when `actor` is not in it; only a member learns that a
-    /// single chat is not a group.
+    /// The group `id`, for a change by `actor`; one `actor` is not in is refused as
+    /// `rules::refusal_outside` says; only a member learns that a single chat is not a group.
     fn member_group_mut(
         &mut self,
         id: &ConversationId,
@@ -1026,8 +1025,7 @@ impl Engine {
         match self.conversations.get_mut(id) {
             Some(c) if c.members.contains_key(&actor) && c.is_group => Ok(c),
             Some(c) if c.members.contains_key(&actor) => Err(DomainError::invalid("not a group")),
-            Some(_) => Err(DomainError::NotMember),
-            None => Err(DomainError::NotFound("conversation")),
+            c => Err(rules::refusal_outside(actor, id, c.is_some())),
         }
     }
 
@@ -1038,8 +1036,7 @@ impl Engine {
     ) -> Result<&mut ConversationState, DomainError> {
         match self.conversations.get_mut(id) {
             Some(c) if c.members.contains_key(&user) => Ok(c),
-            Some(_) => Err(DomainError::NotMember),
-            None => Err(DomainError::NotFound("conversation")),
+            c => Err(rules::refusal_outside(user, id, c.is_some())),
         }
     }
 

@@ -4,7 +4,7 @@
 use crate::command::{SendCommand, SendTo};
 use crate::error::DomainError;
 use pigeon_proto::views::{Role, SendRequest};
-use pigeon_proto::{ClientMsgId, MessageKind, UserId};
+use pigeon_proto::{ClientMsgId, ConversationId, MessageKind, UserId};
 
 /// Limits on what comes from outside.
 #[derive(Debug, Clone, Copy)]
@@ -28,6 +28,26 @@ pub fn visible_range(joined_seq: u64, left_seq: Option<u64>, newest_seq: u64) ->
         joined_seq.max(1),
         left_seq.unwrap_or(newest_seq).min(newest_seq),
     )
+}
+
+/// Whether refusing `user` a conversation they are not in may depend on whether it exists.
+/// A single chat of two other users may not: its id is derived from the pair and it exists
+/// from their first message on, so "no such conversation" would tell who has talked to
+/// whom. A group id reveals only that some group was made (PROTOCOL.md 1's table:
+/// `not_found` for "no such ... group"), and the caller's own single chat is theirs to
+/// know about.
+pub fn existence_shown(user: UserId, conv: &ConversationId) -> bool {
+    conv.is_group() || conv.peer_of(user).is_some()
+}
+
+/// The refusal of a conversation `user` is not in: `not_found` when it does not exist and
+/// [`existence_shown`] allows saying so, `not_member` otherwise.
+pub fn refusal_outside(user: UserId, conv: &ConversationId, exists: bool) -> DomainError {
+    if !exists && existence_shown(user, conv) {
+        DomainError::NotFound("conversation")
+    } else {
+        DomainError::NotMember
+    }
 }
 
 /// Checks a send from the wire and turns it into a command.
@@ -220,5 +240,18 @@ mod tests {
         assert!(outranks(Role::Admin, Role::Member));
         assert!(!outranks(Role::Admin, Role::Admin));
         assert!(!outranks(Role::Member, Role::Member));
+    }
+
+    #[test]
+    fn outsiders_learn_existence_only_of_groups_and_their_own_chats() {
+        let me = UserId::new(1).unwrap();
+        let conv = |s: &str| ConversationId::parse(s).unwrap();
+        let refused = |c: &str, exists| refusal_outside(me, &conv(c), exists);
+        assert_eq!(refused("g5", false), DomainError::NotFound("conversation"));
+        assert_eq!(refused("g5", true), DomainError::NotMember);
+        assert_eq!(refused("1-2", false), DomainError::NotFound("conversation"));
+        // Another pair's chat answers alike whether they have talked or not.
+        assert_eq!(refused("2-3", false), DomainError::NotMember);
+        assert_eq!(refused("2-3", true), DomainError::NotMember);
     }
 }

@@ -96,23 +96,29 @@ impl App {
         secrets_equal(key, &self.admin_key)
     }
 
-    /// The caller's membership of `conv` (current or ended); when none, `not_member`, or
-    /// `not_found` when there is no such conversation ([`Self::not_in`]).
+    /// The caller's membership of `conv` (current or ended); when none, the refusal of
+    /// [`Self::not_in`].
     pub async fn membership(&self, user: UserId, conv: &ConversationId) -> ApiResult<Membership> {
         match self.store.membership(conv, user).await? {
             Some(m) => Ok(m),
-            None => Err(self.not_in(conv).await),
+            None => Err(self.not_in(user, conv).await),
         }
     }
 
-    /// The refusal of a conversation the caller was never in: `not_member` when it exists,
-    /// `not_found` when it does not (PROTOCOL.md 1's table: no such conversation or group).
-    pub async fn not_in(&self, conv: &ConversationId) -> ApiError {
-        match self.store.conversation_exists(conv).await {
-            Ok(true) => ApiError::not_member(),
-            Ok(false) => ApiError::not_found("conversation"),
-            Err(e) => e.into(),
-        }
+    /// The refusal of a conversation `user` was never in (`rules::refusal_outside`): a group
+    /// that exists or another pair's single chat, existing or not, answers `not_member`; a
+    /// group that does not exist, or the caller's own single chat before its first message,
+    /// `not_found`.
+    pub async fn not_in(&self, user: UserId, conv: &ConversationId) -> ApiError {
+        let exists = if pigeon_core::rules::existence_shown(user, conv) {
+            match self.store.conversation_exists(conv).await {
+                Ok(e) => e,
+                Err(e) => return e.into(),
+            }
+        } else {
+            true
+        };
+        pigeon_core::rules::refusal_outside(user, conv, exists).into()
     }
 
     /// The seqs of `conv` the caller may read.
@@ -159,7 +165,7 @@ impl App {
             .await?;
         match list.pop() {
             Some(c) => Ok(c),
-            None => Err(self.not_in(conv).await),
+            None => Err(self.not_in(user, conv).await),
         }
     }
 

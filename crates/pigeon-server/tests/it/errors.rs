@@ -727,6 +727,8 @@ async fn the_upgrade_takes_the_listed_platforms_and_refuses_others() {
 /// conversation the caller is not in. Every conversation endpoint, and `pull` over
 /// WebSocket, tells a group that was never created (404 `not_found`) from one that exists
 /// without the caller (403 `not_member`), and neither answer carries the conversation's data.
+/// A single chat of two other users answers `not_member` whether they have talked or not:
+/// its existence would tell who talks to whom.
 #[tokio::test]
 async fn a_missing_conversation_is_not_found_and_another_one_not_member_everywhere() {
     let s = spawn_server().await;
@@ -740,9 +742,16 @@ async fn a_missing_conversation_is_not_found_and_another_one_not_member_everywhe
         .await
         .unwrap();
     let mut ws = s.ws(&stranger_token, "d").await;
+    let _ = s.user(3004).await;
+    owner
+        .post("/v1/messages", &text_to_user("dm", 3002, "private"))
+        .await
+        .unwrap();
     for (conv, status, code) in [
         ("g123456789", 404, "not_found"),
         (existing.as_str(), 403, "not_member"),
+        ("3001-3002", 403, "not_member"),
+        ("3001-3004", 403, "not_member"),
     ] {
         let calls: Vec<(Method, String, Option<Value>)> = vec![
             (Method::GET, format!("/v1/conversations/{conv}"), None),

@@ -757,7 +757,8 @@ async fn typing_in_a_single_chat_before_its_first_message_is_relayed() {
         (Some("error"), Some("not_found")),
         "{e}"
     );
-    // A third user is not in it; it has no message yet, so there is no such conversation.
+    // A third user is not in it: `not_member`, although it has no message yet (whether two
+    // others have talked is not theirs to learn).
     let e = request(
         &mut c,
         json!({"type": "typing", "conversation_id": "111-222"}),
@@ -766,7 +767,7 @@ async fn typing_in_a_single_chat_before_its_first_message_is_relayed() {
     .await;
     assert_eq!(
         (e["type"].as_str(), e["code"].as_str()),
-        (Some("error"), Some("not_found")),
+        (Some("error"), Some("not_member")),
         "{e}"
     );
     no_frame_of(&mut b, "typing", 200).await;
