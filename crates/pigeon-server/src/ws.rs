@@ -267,11 +267,12 @@ impl Codec {
     }
 }
 
-/// Where a connection's frames go out: what [`feed_queued`] writes to, borrowed for the
-/// waits that must keep writing.
+/// Where a connection's frames go out, and what ends it: borrowed for the waits that must
+/// keep writing and still end when the connection is killed or the server stops.
 struct Writer<'a> {
     sink: &'a mut futures_util::stream::SplitSink<WebSocket, WsMessage>,
     out_rx: &'a mut OutboxReader,
+    shutdown: &'a mut tokio::sync::watch::Receiver<bool>,
     codec: Codec,
 }
 
@@ -279,11 +280,13 @@ impl<'a> Writer<'a> {
     fn new(
         sink: &'a mut futures_util::stream::SplitSink<WebSocket, WsMessage>,
         out_rx: &'a mut OutboxReader,
+        shutdown: &'a mut tokio::sync::watch::Receiver<bool>,
         codec: Codec,
     ) -> Writer<'a> {
         Writer {
             sink,
             out_rx,
+            shutdown,
             codec,
         }
     }
@@ -291,39 +294,54 @@ impl<'a> Writer<'a> {
     /// Waits until the commands `conn` queued are committed (or refused), writing what its
     /// outbox receives meanwhile: their `send_ack`s and pushes, which could otherwise fill
     /// the outbox while a burst's commits lag behind its reads, and close the connection as
-    /// too slow. False once the socket failed.
-    async fn wait_for_own_sends(&mut self, conn: &mut Connection) -> bool {
-        let Some(barrier) = conn.own_sends_barrier() else {
-            return true;
+    /// too slow. Ends the connection instead when it is killed (a logout, a full outbox),
+    /// the server stops, or the socket fails; the barrier is then left for the connection's
+    /// end to wait for.
+    async fn wait_for_own_sends(&mut self, conn: &mut Connection) -> Result<(), Stop> {
+        let Some((sent, barrier)) = conn.own_sends_barrier() else {
+            return Ok(());
         };
         tokio::pin!(barrier);
-        loop {
+        let kill = conn.outbox.clone();
+        let ended = loop {
             tokio::select! {
                 biased;
-                () = &mut barrier => return true,
+                _ = kill.killed() => break self.stop_for_kill(conn).await,
+                _ = self.shutdown.changed() => break Stop::Close(1001, "server shutting down"),
+                () = &mut barrier => return Ok(()),
                 out = self.out_rx.recv() => {
                     let fed = feed_queued(conn, self.sink, self.out_rx, self.codec, Some(out), COALESCE_MAX).await;
                     if !fed || self.sink.flush().await.is_err() {
-                        return false;
+                        break Stop::Gone;
                     }
                 }
             }
+        };
+        conn.sent_on_all(sent);
+        Err(ended)
+    }
+
+    /// After the outbox was killed: writes what it holds (a `kicked` frame) and says how
+    /// the connection closes.
+    async fn stop_for_kill(&mut self, conn: &mut Connection) -> Stop {
+        feed_queued(conn, self.sink, self.out_rx, self.codec, None, usize::MAX).await;
+        match conn.outbox.kill_reason() {
+            Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
+            _ => Stop::Close(1013, "too slow; reconnect and sync"),
         }
     }
 }
 
-/// Answers one text frame: `None` once the socket failed. A `sync` or `pull` after this
-/// connection's own commands is handled once they are committed, its outbox written
-/// meanwhile ([`Writer::wait_for_own_sends`]).
-async fn answer(conn: &mut Connection, mut w: Writer<'_>, text: &str) -> Option<Vec<String>> {
+/// Answers one text frame, or says how the connection ends meanwhile. A `sync` or `pull`
+/// after this connection's own commands is handled once they are committed, its outbox
+/// written meanwhile ([`Writer::wait_for_own_sends`]).
+async fn answer(conn: &mut Connection, mut w: Writer<'_>, text: &str) -> Result<Vec<String>, Stop> {
     match conn.handle_text(text, false).await {
-        Answer::Now(replies) => Some(replies),
+        Answer::Now(replies) => Ok(replies),
         Answer::AfterOwnSends => {
-            if !w.wait_for_own_sends(conn).await {
-                return None;
-            }
+            w.wait_for_own_sends(conn).await?;
             match conn.handle_text(text, true).await {
-                Answer::Now(replies) => Some(replies),
+                Answer::Now(replies) => Ok(replies),
                 Answer::AfterOwnSends => unreachable!("handled after its barrier"),
             }
         }
@@ -511,12 +529,7 @@ async fn run(
             biased;
             _ = kill.killed() => {
                 // Write what is queued (a `kicked` frame) before closing.
-                feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
-                let reason = conn.outbox.kill_reason();
-                break match reason {
-                    Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
-                    _ => Stop::Close(1013, "too slow; reconnect and sync"),
-                };
+                break Box::pin(Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec).stop_for_kill(&mut conn)).await;
             }
             _ = shutdown.changed() => break Stop::Close(1001, "server shutting down"),
             out = out_rx.recv() => {
@@ -546,29 +559,32 @@ async fn run(
                 // may await (sync, pull) would size every connection's task, idle or not
                 // (3 432 bytes inline, 1 792 boxed).
                 let replies = match msg {
-                    WsMessage::Text(t) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, codec), t.as_str())).await,
+                    WsMessage::Text(t) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec), t.as_str())).await,
                     WsMessage::Binary(b) => match codec {
                         // Not decoded: a small protobuf frame can stand for a large tree. A
                         // frame over the limit is too large whatever the subprotocol.
-                        _ if b.len() > MAX_FRAME_BYTES => Some(conn.too_large(None)),
+                        _ if b.len() > MAX_FRAME_BYTES => Ok(conn.too_large(None)),
                         Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
-                            Ok(text) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, codec), &text)).await,
-                            Err((req, e)) => Some(conn.bad_frame(req, &e)),
+                            Ok(text) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec), &text)).await,
+                            Err((req, e)) => Ok(conn.bad_frame(req, &e)),
                         },
-                        Codec::Json => Some(conn.bad_frame(None, "binary frames are not part of pigeon.v1.json")),
+                        Codec::Json => Ok(conn.bad_frame(None, "binary frames are not part of pigeon.v1.json")),
                     },
-                    WsMessage::Ping(_) | WsMessage::Pong(_) => Some(Vec::new()),
+                    WsMessage::Ping(_) | WsMessage::Pong(_) => Ok(Vec::new()),
                     WsMessage::Close(_) => break Stop::ClientClosed,
                 };
-                let Some(replies) = replies else { break Stop::Gone };
+                let replies = match replies {
+                    Ok(replies) => replies,
+                    Err(stop) => break stop,
+                };
                 // An answer given at once (a `pong`, an error) first waits for the commands
                 // this connection sent before it, whose answers are then queued ahead of it:
                 // frames are answered in the order they came, so a `ping` after a `send` is
                 // a barrier a client can rely on. (Boxed: see above.)
                 if !replies.is_empty()
-                    && !Box::pin(Writer::new(&mut sink, &mut out_rx, codec).wait_for_own_sends(&mut conn)).await
+                    && let Err(stop) = Box::pin(Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec).wait_for_own_sends(&mut conn)).await
                 {
-                    break Stop::Gone;
+                    break stop;
                 }
                 if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
                     // What was queued before still goes first.
@@ -1021,15 +1037,22 @@ impl Connection {
     /// writing its outbox: as the connection ends, and for a read whose barrier [`answer`]
     /// already waited for (then there is nothing left to wait for).
     async fn wait_for_own_sends(&mut self) {
-        if let Some(barrier) = self.own_sends_barrier() {
+        if let Some((_, barrier)) = self.own_sends_barrier() {
             barrier.await;
         }
     }
 
+    /// Notes again queues this connection's commands went to (a barrier left unfinished).
+    fn sent_on_all(&mut self, sent: SentOn) {
+        self.sent_since_barrier.fast |= sent.fast;
+        self.sent_since_barrier.bulk |= sent.bulk;
+    }
+
     /// The wait until the commands this connection queued since the last barrier are
-    /// committed (or refused), at most [`OWN_SENDS_WAIT`]; `None` when it queued none. It
-    /// borrows nothing of the connection, so the connection can write while it waits.
-    fn own_sends_barrier(&mut self) -> Option<impl Future<Output = ()> + use<>> {
+    /// committed (or refused), at most [`OWN_SENDS_WAIT`], with the queues it covers (taken
+    /// from `sent_since_barrier`); `None` when it queued none. It borrows nothing of the
+    /// connection, so the connection can write while it waits.
+    fn own_sends_barrier(&mut self) -> Option<(SentOn, impl Future<Output = ()> + use<>)> {
         let sent = std::mem::take(&mut self.sent_since_barrier);
         let tiers: &'static [Tier] = match (sent.fast, sent.bulk) {
             (false, false) => return None,
@@ -1038,7 +1061,7 @@ impl Connection {
             (true, true) => &[Tier::Fast, Tier::Bulk],
         };
         let (app, user) = (self.app.clone(), self.user);
-        Some(async move {
+        Some((sent, async move {
             match tokio::time::timeout(OWN_SENDS_WAIT, app.pipeline.flush_tiers(tiers)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
@@ -1048,7 +1071,7 @@ impl Connection {
                     tracing::warn!(user = %user, "this connection's sends took over {OWN_SENDS_WAIT:?} to commit; answering without them");
                 }
             }
-        })
+        }))
     }
 
     /// Writes acknowledged positions to the store; `wait` when a read follows that must see

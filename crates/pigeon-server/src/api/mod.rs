@@ -189,11 +189,15 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
         // A parameter given empty (`?cursor=&limit=`, as PROTOCOL.md writes the members
-        // query) is one not given: a number's default, not "cannot parse ''".
+        // query, or a bare `?limit`) is one not given: a number's default, not "cannot
+        // parse ''".
         let given = parts.uri.query().unwrap_or("");
         let query: Vec<&str> = given
             .split('&')
-            .filter(|pair| !pair.is_empty() && !pair.ends_with('='))
+            .filter(|pair| {
+                pair.split_once('=')
+                    .is_some_and(|(_, value)| !value.is_empty())
+            })
             .collect();
         let uri: axum::http::Uri = format!("/?{}", query.join("&"))
             .parse()

@@ -880,8 +880,20 @@ async fn empty_query_parameters_read_as_not_given() {
     assert_eq!(page["messages"].as_array().unwrap().len(), 1, "{page}");
     let list = owner.get("/v1/conversations?limit=&cursor=").await.unwrap();
     assert_eq!(list["conversations"].as_array().unwrap().len(), 1, "{list}");
-    let polled = owner.get("/v1/sync?user_seq=&wait_ms=").await.unwrap();
+    let polled = owner.get("/v1/sync?user_seq=&wait_ms").await.unwrap();
     assert!(polled["items"].is_array(), "{polled}");
+    // A value is still checked: one that is not a number is refused.
+    for bad in ["limit=5=", "limit=x", "before=-1"] {
+        assert_eq!(
+            code_of(
+                owner
+                    .get(&format!("/v1/conversations/{g}/messages?{bad}"))
+                    .await
+            ),
+            "invalid_argument",
+            "{bad}"
+        );
+    }
 }
 
 /// PROTOCOL.md 1: "Every error is `{"code": "...", "message": "human readable"}`": a path

@@ -175,3 +175,48 @@ async fn a_ping_waiting_behind_stalled_commits_still_writes_the_acks_that_come()
     assert_eq!(acked, N, "every send_ack comes before the pong");
     holder.join().unwrap();
 }
+
+/// A connection whose `ping` waits behind stalled commits still ends when the server
+/// stops: its close frame (1001) comes while the commits are still held back, not once the
+/// barrier's wait is over.
+#[tokio::test]
+async fn a_connection_waiting_at_its_barrier_is_closed_when_the_server_stops() {
+    let mut s = spawn_with(|c| c.journal_backlog_kib = 1).await;
+    s.user(2).await;
+    let mut ws = s.ws(&s.token(1).await, "d1").await;
+    let first = request(&mut ws, send_frame(text_to_user("w0", 2, "zero")), 1).await;
+    assert_eq!(first["type"], "send_ack", "{first}");
+
+    let db = s.dir.0.join("pigeon.db");
+    let released = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let holder = {
+        let released = released.clone();
+        std::thread::spawn(move || {
+            let c = rusqlite::Connection::open(db).unwrap();
+            c.execute_batch("BEGIN IMMEDIATE").unwrap();
+            locked_tx.send(()).unwrap();
+            std::thread::sleep(Duration::from_millis(4_000));
+            released.store(true, std::sync::atomic::Ordering::SeqCst);
+            c.execute_batch("ROLLBACK").unwrap();
+        })
+    };
+    locked_rx.recv().unwrap();
+    let mut burst: Vec<String> = (1..=50)
+        .map(|i| send_frame(text_to_user(&format!("w{i}"), 2, "x")).to_string())
+        .collect();
+    burst.push(json!({"type": "ping", "req": 9}).to_string());
+    ws.send_burst(burst).await.unwrap();
+    // The first of them is journaled; the next commit waits for the tables.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let running = s.running.take().unwrap();
+    let stopping = tokio::spawn(running.shutdown());
+    let code = ws.closed(Duration::from_secs(3)).await;
+    assert_eq!(code, Some(1001), "closed as the server stops");
+    assert!(
+        !released.load(std::sync::atomic::Ordering::SeqCst),
+        "before the stalled commits went on"
+    );
+    holder.join().unwrap();
+    stopping.await.unwrap();
+}
