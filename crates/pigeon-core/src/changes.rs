@@ -186,8 +186,6 @@ pub enum Event {
         muted: bool,
         hidden: bool,
     },
-    /// The user's tokens were revoked: close their connections.
-    LoggedOut { user: UserId },
 }
 
 #[cfg(test)]

@@ -318,8 +318,10 @@ impl Engine {
                 Ok(Reply::Done)
             }
             Command::Logout { user } => {
+                // The edge ends the user's connections once this is durable and before it
+                // answers (`Hub::revoke`): an event, handled later, could end a connection
+                // opened meanwhile with a token minted after the logout.
                 ch.logouts.push(user);
-                ev.push(Event::LoggedOut { user });
                 Ok(Reply::Done)
             }
             Command::Send(s) => self.send(s, now, ch, ev),

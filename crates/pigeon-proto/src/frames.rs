@@ -177,6 +177,11 @@ pub enum ServerFrame {
         req: Option<i64>,
         server_time: i64,
     },
+    /// The answer to a request that carried `req` and whose success has no frame of its
+    /// own (`read`, `ack`, `typing`, the room frames): it is done.
+    Ok {
+        req: i64,
+    },
     Error {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         req: Option<i64>,

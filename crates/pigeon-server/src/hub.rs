@@ -481,9 +481,6 @@ impl Hub {
                     .to_json();
                     self.send_to_users(&[user], &frame, None);
                 }
-                // Done already by the logout's handler, before it answered; this covers a
-                // logout whose caller went away meanwhile.
-                Event::LoggedOut { user } => self.revoke(user),
             }
         }
     }

@@ -842,7 +842,7 @@ async fn deliver_batch(
                     })
                 }
                 Event::Receipt { conversation, .. } => large.contains_key(conversation),
-                Event::SettingsChanged { .. } | Event::LoggedOut { .. } => false,
+                Event::SettingsChanged { .. } => false,
             });
         }
         for (reply, result) in replies {
@@ -923,12 +923,12 @@ fn answer_all_unavailable(replies: impl IntoIterator<Item = ReplyTo>) {
     }
 }
 
-/// The frame a connection gets for a command it sent: `send_ack` or an error; nothing for
-/// commands whose success has no reply frame (read, ack).
+/// The frame a connection gets for a command it sent: `send_ack` or an error; for a command
+/// whose success has no frame of its own (`read`), `ok` when it carried a `req`.
 fn connection_reply(req: Option<i64>, result: Result<Reply, DomainError>) -> Option<String> {
     match result {
         Ok(Reply::SendAck(ack)) => Some(ServerFrame::SendAck { req, ack }.to_json()),
-        Ok(_) => None,
+        Ok(_) => req.map(|req| ServerFrame::Ok { req }.to_json()),
         Err(e) => Some(error_frame(req, &PipelineError::Domain(e))),
     }
 }

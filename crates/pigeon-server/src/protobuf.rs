@@ -317,6 +317,7 @@ mod tests {
                 req: Some(6),
                 server_time: 2,
             },
+            ServerFrame::Ok { req: 8 },
             ServerFrame::Error {
                 req: Some(7),
                 code: ErrorCode::RateLimited,
@@ -351,6 +352,7 @@ mod tests {
                 | ServerFrame::Receipt { .. }
                 | ServerFrame::Typing { .. }
                 | ServerFrame::Pong { .. }
+                | ServerFrame::Ok { .. }
                 | ServerFrame::Error { .. }
                 | ServerFrame::Kicked { .. }
                 | ServerFrame::RoomMsgs { .. }

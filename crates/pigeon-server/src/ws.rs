@@ -348,6 +348,13 @@ async fn answer(conn: &mut Connection, mut w: Writer<'_>, text: &str) -> Result<
     }
 }
 
+/// The answer to a request whose success has no frame of its own: `ok` when it carried a
+/// `req` ("the reply to it carries the same `req`"), nothing otherwise.
+fn done(req: Option<i64>) -> Vec<String> {
+    req.map(|req| vec![ServerFrame::Ok { req }.to_json()])
+        .unwrap_or_default()
+}
+
 /// What handling a frame came to.
 enum Answer {
     /// The frames to write at once, in order (none for most frames).
@@ -850,7 +857,7 @@ impl Connection {
             }
             ClientFrame::Ack(a) => {
                 self.ack(a)?;
-                Ok(Vec::new())
+                Ok(done(req))
             }
             ClientFrame::Sync(f) => {
                 // This connection's earlier commands and acks first.
@@ -910,7 +917,7 @@ impl Connection {
                     Some((at, refused)) if now.duration_since(*at) < every => match refused {
                         // A refused one is answered every time, not once and then silently.
                         Some(code) => Err(ApiError::new(*code, "typing refused")),
-                        None => Ok(Vec::new()),
+                        None => Ok(done(req)),
                     },
                     _ => {
                         let result = app.typing(self.user, &t.conversation_id).await;
@@ -930,7 +937,7 @@ impl Connection {
                                     .insert(t.conversation_id.clone(), (now, refused));
                             }
                         }
-                        result.map(|()| Vec::new())
+                        result.map(|()| done(req))
                     }
                 }
             }
@@ -948,14 +955,14 @@ impl Connection {
                     .map_err(|_| ApiError::not_found("room"))?;
                 // `join` took this connection out of the room it watched before.
                 self.room = Some(r.room_id);
-                Ok(Vec::new())
+                Ok(done(req))
             }
             ClientFrame::RoomLeave(r) => {
                 if self.room.as_deref() == Some(r.room_id.as_str()) {
                     app.rooms.leave(&r.room_id, self.user, self.conn_id);
                     self.room = None;
                 }
-                Ok(Vec::new())
+                Ok(done(req))
             }
             ClientFrame::RoomSend(r) => {
                 if r.content.is_empty() {
@@ -980,7 +987,7 @@ impl Connection {
                         ),
                         _ => ApiError::not_found("room"),
                     })?;
-                Ok(Vec::new())
+                Ok(done(req))
             }
         }
     }

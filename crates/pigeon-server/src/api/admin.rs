@@ -110,8 +110,9 @@ pub async fn logout(
         .ok_or_else(|| ApiError::not_found("user"))?;
     // Once acknowledged, no generation remembered before may outlive the logout. In a task
     // of its own: if the caller goes away, the `forget` must still follow the logout.
-    // The user's connections are ended here too, before the answer, rather than only when
-    // the delivery task gets to the logout: "stop working at once" (PROTOCOL.md 3).
+    // The user's connections are ended here, once the logout is durable and before the
+    // answer: "stop working at once" (PROTOCOL.md 3). In the spawned task, so a caller that
+    // goes away cannot skip it.
     let task_app = app.clone();
     tokio::spawn(async move {
         let done = run(&task_app, Command::Logout { user }).await;

@@ -857,6 +857,71 @@ async fn a_silent_connection_is_closed_with_1001_after_two_heartbeats() {
     assert_eq!(talker.closed(WAIT).await, Some(1001));
 }
 
+/// PROTOCOL.md 5: "A client may put an integer `req` in any request; the reply to it carries
+/// the same `req`". A request whose success has no frame of its own (`read`, `ack`,
+/// `typing`, the room frames) is answered `{"type":"ok","req":N}` when it carries one (a
+/// `read` once committed: HTTP then shows it), and nothing when it does not.
+#[tokio::test]
+async fn requests_without_a_reply_of_their_own_are_answered_ok_when_they_carry_req() {
+    let s = spawn_server().await;
+    let ta = s.token(171).await;
+    let alice = s.anon().with_bearer(ta.clone());
+    let bob = s.user(172).await;
+    let sent = bob
+        .post("/v1/messages", &text_to_user("ok-1", 171, "read me"))
+        .await
+        .unwrap();
+    let conv = sent["conversation_id"].as_str().unwrap().to_owned();
+    let room = s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut ws = s.ws(&ta, "d").await;
+    let read = request(
+        &mut ws,
+        json!({"type": "read", "conversation_id": conv.clone(), "seq": 1}),
+        11,
+    )
+    .await;
+    assert_eq!(read, json!({"type": "ok", "req": 11}));
+    let c = alice
+        .get(&format!("/v1/conversations/{conv}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (c["last_read_seq"].as_u64(), c["unread"].as_u64()),
+        (Some(1), Some(0)),
+        "{c}"
+    );
+    for (req, frame) in [
+        (12, json!({"type": "ack", "user_seq": 1})),
+        (
+            13,
+            json!({"type": "typing", "conversation_id": conv.clone()}),
+        ),
+        (14, json!({"type": "room_join", "room_id": room.clone()})),
+        (
+            15,
+            json!({"type": "room_send", "room_id": room.clone(), "content": "666"}),
+        ),
+        (16, json!({"type": "room_leave", "room_id": room.clone()})),
+    ] {
+        let answer = request(&mut ws, frame.clone(), req).await;
+        assert_eq!(answer, json!({"type": "ok", "req": req}), "{frame}");
+    }
+    // Without `req`: nothing; the next frame is the pong of the ping after it.
+    ws.send(&json!({"type": "typing", "conversation_id": conv.clone()}))
+        .await
+        .unwrap();
+    ws.send(&json!({"type": "ping", "req": 17})).await.unwrap();
+    let next = ws.recv(WAIT).await.unwrap().expect("a frame");
+    assert_eq!(
+        (next["type"].as_str(), next["req"].as_i64()),
+        (Some("pong"), Some(17)),
+        "{next}"
+    );
+}
+
 /// PROTOCOL.md 5: "`{"type":"ping"}` gets `{"type":"pong","server_time":ms}`", a time in
 /// milliseconds since the epoch, also for a ping without `req`.
 #[tokio::test]

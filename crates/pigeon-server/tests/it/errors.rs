@@ -339,6 +339,10 @@ async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
     let s = spawn_with(|c| c.send_rate_per_sec = 5).await;
     let alice = s.user(1).await;
     let _ = s.user(2).await;
+    // Connected first: the WebSocket send below follows the burst at once (the allowance
+    // refills a send every 200 ms, and a connection made under load can take that long).
+    let t = s.token(1).await;
+    let mut ws = s.ws(&t, "d").await;
     let mut limited = None;
     for i in 0..100 {
         let (status, body) = alice
@@ -359,8 +363,6 @@ async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
     assert_eq!(body["code"], "rate_limited");
     assert!(body["retry_after_ms"].as_u64().unwrap() >= 1);
     // The WebSocket path shares the user's allowance.
-    let t = s.token(1).await;
-    let mut ws = s.ws(&t, "d").await;
     let e = request(&mut ws, send_frame(text_to_user("ws-1", 2, "x")), 1).await;
     assert_eq!(e["code"], "rate_limited");
     assert!(e["retry_after_ms"].is_u64());
