@@ -97,6 +97,9 @@ pub struct AuditedMessage {
 pub struct ListCursor {
     pub pinned: bool,
     pub updated_at: i64,
+    /// The id of the conversation's last message: a snowflake, so it orders conversations
+    /// whose activity fell in the same millisecond.
+    pub last_msg_id: u64,
     pub conversation_id: ConversationId,
 }
 

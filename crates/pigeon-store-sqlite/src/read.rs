@@ -231,8 +231,10 @@ pub fn conversations(
          WHERE mb.user_id = ?1 AND mb.left_seq IS NULL \
          AND (?2 IS NULL OR mb.conversation_id = ?2) \
          AND (?3 OR mb.hidden_seq IS NULL OR c.seq > mb.hidden_seq) \
-         AND (?4 IS NULL OR (mb.pinned, c.updated_at, c.conversation_id) < (?4, ?5, ?6)) \
-         ORDER BY mb.pinned DESC, c.updated_at DESC, c.conversation_id DESC LIMIT {limit}"
+         AND (?4 IS NULL OR (mb.pinned, c.updated_at, COALESCE(c.last_msg_id, 0), c.conversation_id) \
+              < (?4, ?5, ?7, ?6)) \
+         ORDER BY mb.pinned DESC, c.updated_at DESC, COALESCE(c.last_msg_id, 0) DESC, c.conversation_id DESC \
+         LIMIT {limit}"
     );
     let mut st = c.prepare_cached(&sql)?;
     struct Raw {
@@ -248,6 +250,7 @@ pub fn conversations(
                 after.map(|a| a.pinned as i64),
                 after.map(|a| a.updated_at),
                 after.map(|a| a.conversation_id.as_str()),
+                after.map(|a| seq_arg(a.last_msg_id)),
             ],
             |r| {
                 let id: String = r.get(0)?;

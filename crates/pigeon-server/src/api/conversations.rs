@@ -27,19 +27,25 @@ pub struct ListQuery {
     cursor: Option<String>,
 }
 
+/// The list's order key of `v` (see `ListCursor`), as an opaque cursor.
 fn encode_cursor(v: &ConversationView) -> String {
-    format!("{}.{}.{}", v.pinned as u8, v.updated_at, v.conversation_id)
+    let last_msg_id = v.last_message.as_ref().map_or(0, |m| m.msg_id.get());
+    format!(
+        "{}.{}.{}.{}",
+        v.pinned as u8, v.updated_at, last_msg_id, v.conversation_id
+    )
 }
 
 fn decode_cursor(s: &str) -> ApiResult<ListCursor> {
     let bad = || ApiError::invalid("cursor is not one this server gave");
-    let mut parts = s.splitn(3, '.');
+    let mut parts = s.splitn(4, '.');
     let pinned = match parts.next() {
         Some("1") => true,
         Some("0") => false,
         _ => return Err(bad()),
     };
     let updated_at: i64 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let last_msg_id: u64 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
     let conversation_id = parts
         .next()
         .and_then(|p| pigeon_proto::ConversationId::parse(p).ok())
@@ -47,6 +53,7 @@ fn decode_cursor(s: &str) -> ApiResult<ListCursor> {
     Ok(ListCursor {
         pinned,
         updated_at,
+        last_msg_id,
         conversation_id,
     })
 }

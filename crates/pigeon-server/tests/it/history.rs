@@ -114,6 +114,53 @@ async fn pages_by_time() {
     assert_eq!(page["has_more"], true);
 }
 
+/// "Ordered ... by newest activity" holds within one millisecond too: a burst of sends on
+/// one connection, into chats whose ids sort otherwise, lists them newest first, and
+/// pages of one follow the same order.
+#[tokio::test]
+async fn conversations_active_in_the_same_millisecond_list_newest_first() {
+    let s = spawn_server().await;
+    let ta = s.token(301).await;
+    let alice = s.anon().with_bearer(ta.clone());
+    let order = [307u64, 303, 305, 302, 306, 304];
+    for peer in order {
+        let _ = s.user(peer).await;
+    }
+    let mut ws = s.ws(&ta, "d").await;
+    let burst: Vec<String> = order
+        .iter()
+        .map(|peer| send_frame(text_to_user(&format!("t{peer}"), *peer, "x")).to_string())
+        .collect();
+    ws.send_burst(burst).await.unwrap();
+    let pong = request(&mut ws, json!({"type": "ping"}), 1).await;
+    assert_eq!(pong["type"], "pong");
+    let expected: Vec<String> = order.iter().rev().map(|p| format!("301-{p}")).collect();
+    let page = alice.get("/v1/conversations").await.unwrap();
+    let ids: Vec<String> = page["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["conversation_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids, expected, "{page}");
+    let mut paged = Vec::new();
+    let mut cursor = String::new();
+    loop {
+        let page = alice
+            .get(&format!("/v1/conversations?limit=1&cursor={cursor}"))
+            .await
+            .unwrap();
+        for c in page["conversations"].as_array().unwrap() {
+            paged.push(c["conversation_id"].as_str().unwrap().to_owned());
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = c.to_owned(),
+            None => break,
+        }
+    }
+    assert_eq!(paged, expected);
+}
+
 #[tokio::test]
 async fn conversation_list_is_ordered_by_activity_and_pages_by_cursor() {
     let s = spawn_server().await;
