@@ -306,7 +306,7 @@ fn request_schema(method: &str, path: &str) -> Option<Value> {
                 "name": {"type": "string", "nullable": true, "maxLength": rules::MAX_USER_NAME_CHARS},
                 "avatar": {"type": "string", "nullable": true, "maxLength": rules::MAX_AVATAR_CHARS}}}),
         ("post", "/v1/admin/tokens") => json!({"type": "object", "required": ["user_id"],
-            "properties": {"user_id": uid, "ttl_secs": {"type": "integer", "minimum": 1, "nullable": true}}}),
+            "properties": {"user_id": uid, "ttl_secs": {"type": "integer", "minimum": 0, "nullable": true}}}),
         ("post", "/v1/messages") => {
             json!({"type": "object", "required": ["client_msg_id", "to", "kind", "content"],
             "properties": {

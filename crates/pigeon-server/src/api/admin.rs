@@ -78,9 +78,11 @@ pub async fn mint_token(
     ApiJson(b): ApiJson<MintToken>,
 ) -> ApiResult<Json<Value>> {
     let ttl = b.ttl_secs.unwrap_or(86_400);
-    if ttl == 0 || ttl > app.cfg.max_token_ttl_secs {
+    // 0 mints a token that has already expired: a client's expiry handling can be tried
+    // without waiting.
+    if ttl > app.cfg.max_token_ttl_secs {
         return Err(ApiError::invalid(format!(
-            "ttl_secs must be 1..={}",
+            "ttl_secs must be 0..={}",
             app.cfg.max_token_ttl_secs
         )));
     }

@@ -280,11 +280,39 @@ async fn http_bad_input_gets_protocol_errors() {
     assert_eq!(
         code_of(
             s.admin
-                .post("/v1/admin/tokens", &json!({"user_id": 111, "ttl_secs": 0}))
+                .post(
+                    "/v1/admin/tokens",
+                    &json!({"user_id": 111, "ttl_secs": 31_536_001u64})
+                )
                 .await
         ),
-        "invalid_argument"
+        "invalid_argument",
+        "over --max-token-ttl-secs"
     );
+}
+
+/// `ttl_secs: 0` mints a token that has already expired (PROTOCOL-EXTENSIONS.md): a way to
+/// see an expired token refused, over HTTP and on the upgrade, without waiting.
+#[tokio::test]
+async fn a_token_minted_with_ttl_0_is_already_expired() {
+    let s = spawn_server().await;
+    let _ = s.user(3401).await;
+    let minted = s
+        .admin
+        .post("/v1/admin/tokens", &json!({"user_id": 3401, "ttl_secs": 0}))
+        .await
+        .unwrap();
+    let token = minted["token"].as_str().unwrap().to_owned();
+    let expired = s.anon().with_bearer(token.clone());
+    assert_eq!(
+        code_of(expired.get("/v1/conversations").await),
+        "unauthorized"
+    );
+    match WsConn::connect(&s.ws_base, &token, "d").await {
+        Err(pigeon_client::ClientError::Api { status, .. }) => assert_eq!(status, 401),
+        Err(e) => panic!("refused otherwise than with 401: {e}"),
+        Ok(_) => panic!("an expired token connected"),
+    }
 }
 
 #[tokio::test]
