@@ -84,10 +84,11 @@ async fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     if running.admin_key_generated {
+        // The key alone after "admin key: ", so a script finds it with the simplest pattern.
+        println!("pigeon: admin key: {}", running.app.admin_key);
         println!(
-            "pigeon: generated admin key (kept in {}): {}",
-            data_dir.display(),
-            running.app.admin_key
+            "pigeon: (generated on this first start and kept in {}; --admin-key or PIGEON_ADMIN_KEY sets your own)",
+            data_dir.display()
         );
     }
     println!("pigeon: listening on http://{}", running.addr);

@@ -82,8 +82,8 @@ async fn serve_with_no_configuration_generates_and_keeps_an_admin_key() {
     while let Ok(Some(line)) =
         tokio::time::timeout(Duration::from_secs(5), p.stdout_lines.recv()).await
     {
-        if let Some(k) = line.strip_prefix("pigeon: generated admin key") {
-            key = k.rsplit(' ').next().map(str::to_owned);
+        if let Some(k) = line.strip_prefix("pigeon: admin key: ") {
+            key = Some(k.to_owned());
             break;
         }
     }
