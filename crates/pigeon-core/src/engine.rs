@@ -853,6 +853,12 @@ impl Engine {
     ) -> Outcome {
         let msg = self.existing_message(msg_id)?;
         let conv_id = self.recallable_conversation_of(&msg, actor)?;
+        // A manager may recall what was sent before they joined, which they cannot read:
+        // what cannot be recalled of it answers as if it did not exist.
+        let readable = self.visible_conversation_of(&msg, actor).is_ok();
+        if !readable && (!msg.kind.is_user_content() || msg.status == MessageStatus::Deleted) {
+            return Err(DomainError::NotFound("message"));
+        }
         if !msg.kind.is_user_content() {
             return Err(DomainError::invalid("only user messages can be recalled"));
         }

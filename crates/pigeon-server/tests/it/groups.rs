@@ -694,6 +694,25 @@ async fn an_admin_recalls_a_message_sent_before_they_joined() {
         (Some("recalled"), Some("")),
         "{m}"
     );
+    // What cannot be recalled of what he cannot read answers as if it did not exist: the
+    // group's creation (a command message), where a readable one answers invalid_argument.
+    let created = at_seq(&alice, &id, 1).await;
+    let created_id = created["msg_id"].as_str().unwrap();
+    assert_eq!(
+        code_of(
+            dave.post(&format!("/v1/messages/{created_id}/recall"), &json!({}))
+                .await
+        ),
+        "not_found"
+    );
+    assert_eq!(
+        code_of(
+            alice
+                .post(&format!("/v1/messages/{created_id}/recall"), &json!({}))
+                .await
+        ),
+        "invalid_argument"
+    );
 }
 
 #[tokio::test]
