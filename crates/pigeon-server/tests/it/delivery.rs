@@ -763,13 +763,7 @@ async fn a_barrier_after_a_burst_larger_than_the_outbox_comes_after_every_send_a
     const N: i64 = 6_000;
     for (round, barrier) in [(0i64, "ping"), (1, "pull")] {
         let base = round * 100_000;
-        let mut burst: Vec<String> = (1..=N)
-            .map(|i| {
-                let mut send = send_frame(text_to_user(&format!("burst-{round}-{i}"), 632, "x"));
-                send["req"] = json!(base + i);
-                send.to_string()
-            })
-            .collect();
+        let mut burst = sends_to_user(&format!("burst-{round}"), 632, N, base + 1);
         let mut last = json!({"type": barrier, "req": base + N + 1});
         if barrier == "pull" {
             last["chain"] = json!("user");
@@ -777,20 +771,7 @@ async fn a_barrier_after_a_burst_larger_than_the_outbox_comes_after_every_send_a
         }
         burst.push(last.to_string());
         ws.send_burst(burst).await.unwrap();
-        let mut acked = 0;
-        let answer = loop {
-            let f = ws
-                .recv(Duration::from_secs(30))
-                .await
-                .unwrap()
-                .unwrap_or_else(|| panic!("closed or silent: {:?}", ws.closed_with));
-            assert_ne!(f["type"], "error", "{f}");
-            if f["type"] == "send_ack" {
-                acked += 1;
-            } else if f["req"] == base + N + 1 {
-                break f;
-            }
-        };
+        let (acked, answer) = acks_before(&mut ws, base + N + 1).await;
         assert_eq!(
             acked, N,
             "{barrier}: every send_ack comes before the answer"

@@ -161,6 +161,36 @@ pub async fn request(ws: &mut WsConn, mut frame: Value, req: i64) -> Value {
         .unwrap_or_else(|| panic!("no reply to req {req}"))
 }
 
+/// `n` sends to `to` with reqs from `first_req` on, as frames for `WsConn::send_burst`.
+pub fn sends_to_user(prefix: &str, to: u64, n: i64, first_req: i64) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            let mut send = send_frame(text_to_user(&format!("{prefix}-{i}"), to, "x"));
+            send["req"] = json!(first_req + i);
+            send.to_string()
+        })
+        .collect()
+}
+
+/// Reads frames until the one answering `req` (an error frame fails the test); returns it
+/// and how many `send_ack`s came before it.
+pub async fn acks_before(ws: &mut WsConn, req: i64) -> (i64, Value) {
+    let mut acked = 0;
+    loop {
+        let f = ws
+            .recv(Duration::from_secs(30))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("closed or silent: {:?}", ws.closed_with));
+        assert_ne!(f["type"], "error", "{f}");
+        if f["type"] == "send_ack" {
+            acked += 1;
+        } else if f["req"] == req {
+            return (acked, f);
+        }
+    }
+}
+
 /// Waits for the next `msg` push.
 pub async fn next_msg(ws: &mut WsConn) -> Value {
     ws.recv_until(WAIT, |v| v["type"] == "msg")

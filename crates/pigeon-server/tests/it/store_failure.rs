@@ -10,6 +10,33 @@
 //!   from what the store holds, with no gap and no seq given twice.
 
 use crate::*;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Another connection takes the server's SQLite write lock and holds it for `hold`; returns
+/// once it is held, with the thread and a flag set just before the lock is let go.
+fn hold_write_lock(
+    s: &TestServer,
+    hold: Duration,
+) -> (std::thread::JoinHandle<()>, Arc<AtomicBool>) {
+    let db = s.dir.0.join("pigeon.db");
+    let released = Arc::new(AtomicBool::new(false));
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let holder = {
+        let released = released.clone();
+        std::thread::spawn(move || {
+            let c = rusqlite::Connection::open(db).unwrap();
+            c.busy_timeout(Duration::from_secs(5)).unwrap();
+            c.execute_batch("BEGIN IMMEDIATE").unwrap();
+            locked_tx.send(()).unwrap();
+            std::thread::sleep(hold);
+            released.store(true, Ordering::SeqCst);
+            c.execute_batch("ROLLBACK").unwrap();
+        })
+    };
+    locked_rx.recv().unwrap();
+    (holder, released)
+}
 
 #[tokio::test]
 async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_one_survives() {
@@ -23,19 +50,9 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
     // A read waits until the tables hold "zero", so the lock below is not taken mid-apply.
     assert_eq!(alice.whole_history(&conv).await.unwrap().len(), 1);
 
-    let db = s.dir.0.join("pigeon.db");
-    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
-    let holder = std::thread::spawn(move || {
-        let c = rusqlite::Connection::open(db).unwrap();
-        c.busy_timeout(Duration::from_secs(5)).unwrap();
-        c.execute_batch("BEGIN IMMEDIATE").unwrap();
-        locked_tx.send(()).unwrap();
-        // Longer than the server's busy timeout and its wait for room in the journal's
-        // backlog (5 s each): the apply fails (and is retried), the next commit gives up.
-        std::thread::sleep(Duration::from_millis(6_500));
-        c.execute_batch("ROLLBACK").unwrap();
-    });
-    locked_rx.recv().unwrap();
+    // Longer than the server's busy timeout and its wait for room in the journal's backlog
+    // (5 s each): the apply fails (and is retried), the next commit gives up.
+    let (holder, _) = hold_write_lock(&s, Duration::from_millis(6_500));
 
     // A is journaled (the backlog was empty) and acknowledged; the tables cannot take it.
     let a = request(&mut ws, send_frame(text_to_user("c1", 2, "one")), 1000).await;
@@ -134,44 +151,14 @@ async fn a_ping_waiting_behind_stalled_commits_still_writes_the_acks_that_come()
     let first = request(&mut ws, send_frame(text_to_user("s0", 2, "zero")), 1).await;
     assert_eq!(first["type"], "send_ack", "{first}");
 
-    let db = s.dir.0.join("pigeon.db");
-    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
-    let holder = std::thread::spawn(move || {
-        let c = rusqlite::Connection::open(db).unwrap();
-        c.busy_timeout(Duration::from_secs(5)).unwrap();
-        c.execute_batch("BEGIN IMMEDIATE").unwrap();
-        locked_tx.send(()).unwrap();
-        // Shorter than the server's busy timeout: the stalled commits succeed afterwards.
-        std::thread::sleep(Duration::from_millis(1_500));
-        c.execute_batch("ROLLBACK").unwrap();
-    });
-    locked_rx.recv().unwrap();
-
+    // Shorter than the server's busy timeout: the stalled commits succeed afterwards.
+    let (holder, _) = hold_write_lock(&s, Duration::from_millis(1_500));
     const N: i64 = 6_000;
-    let mut burst: Vec<String> = (1..=N)
-        .map(|i| {
-            let mut send = send_frame(text_to_user(&format!("s{i}"), 2, "x"));
-            send["req"] = json!(10 + i);
-            send.to_string()
-        })
-        .collect();
+    let mut burst = sends_to_user("s", 2, N, 10);
     burst.push(json!({"type": "ping", "req": 9}).to_string());
     ws.send_burst(burst).await.unwrap();
-    let mut acked = 0;
-    loop {
-        let f = ws
-            .recv(Duration::from_secs(30))
-            .await
-            .unwrap()
-            .unwrap_or_else(|| panic!("closed or silent: {:?}", ws.closed_with));
-        assert_ne!(f["type"], "error", "{f}");
-        if f["type"] == "pong" {
-            break;
-        }
-        if f["type"] == "send_ack" {
-            acked += 1;
-        }
-    }
+    let (acked, pong) = acks_before(&mut ws, 9).await;
+    assert_eq!(pong["type"], "pong", "{pong}");
     assert_eq!(acked, N, "every send_ack comes before the pong");
     holder.join().unwrap();
 }
@@ -187,24 +174,8 @@ async fn a_connection_waiting_at_its_barrier_is_closed_when_the_server_stops() {
     let first = request(&mut ws, send_frame(text_to_user("w0", 2, "zero")), 1).await;
     assert_eq!(first["type"], "send_ack", "{first}");
 
-    let db = s.dir.0.join("pigeon.db");
-    let released = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
-    let holder = {
-        let released = released.clone();
-        std::thread::spawn(move || {
-            let c = rusqlite::Connection::open(db).unwrap();
-            c.execute_batch("BEGIN IMMEDIATE").unwrap();
-            locked_tx.send(()).unwrap();
-            std::thread::sleep(Duration::from_millis(4_000));
-            released.store(true, std::sync::atomic::Ordering::SeqCst);
-            c.execute_batch("ROLLBACK").unwrap();
-        })
-    };
-    locked_rx.recv().unwrap();
-    let mut burst: Vec<String> = (1..=50)
-        .map(|i| send_frame(text_to_user(&format!("w{i}"), 2, "x")).to_string())
-        .collect();
+    let (holder, released) = hold_write_lock(&s, Duration::from_millis(4_000));
+    let mut burst = sends_to_user("w", 2, 50, 10);
     burst.push(json!({"type": "ping", "req": 9}).to_string());
     ws.send_burst(burst).await.unwrap();
     // The first of them is journaled; the next commit waits for the tables.
@@ -214,7 +185,7 @@ async fn a_connection_waiting_at_its_barrier_is_closed_when_the_server_stops() {
     let code = ws.closed(Duration::from_secs(3)).await;
     assert_eq!(code, Some(1001), "closed as the server stops");
     assert!(
-        !released.load(std::sync::atomic::Ordering::SeqCst),
+        !released.load(Ordering::SeqCst),
         "before the stalled commits went on"
     );
     holder.join().unwrap();
