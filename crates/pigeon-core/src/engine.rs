@@ -6,7 +6,7 @@
 use crate::changes::{
     Changes, ConversationRow, Event, InboxRow, MemberRow, MessageUpdate, Recipient,
 };
-use crate::command::{Command, Reply, SendCommand, SendTo};
+use crate::command::{Command, CursorChain, Reply, SendCommand, SendTo};
 use crate::error::DomainError;
 use crate::known_keys::KnownKeys;
 use crate::rules::{self, outranks};
@@ -212,10 +212,11 @@ impl Engine {
                         n.messages.insert(*msg_id);
                     }
                 },
-                Command::UpsertUser { .. }
-                | Command::Logout { .. }
-                | Command::AdvanceCursor { .. }
-                | Command::Flush => {}
+                Command::AdvanceCursor { user, chain, .. } => match chain {
+                    CursorChain::Inbox => want_user(&mut n, *user),
+                    CursorChain::Conversation(c) => want_conv(&mut n, c),
+                },
+                Command::UpsertUser { .. } | Command::Logout { .. } | Command::Flush => {}
             }
         }
         n
@@ -597,7 +598,16 @@ impl Engine {
                 chain,
                 seq,
             } => {
-                ch.cursors.push((user, device, chain.key().to_owned(), seq));
+                // An acknowledgement past the chain's newest seq counts up to the newest:
+                // stored as given, the device would skip what comes next when it resumes.
+                let newest = match &chain {
+                    CursorChain::Inbox => self.inbox_heads.get(&user).copied(),
+                    CursorChain::Conversation(c) => self.conversations.get(c).map(|c| c.seq),
+                };
+                if let Some(newest) = newest {
+                    ch.cursors
+                        .push((user, device, chain.key().to_owned(), seq.min(newest)));
+                }
                 Ok(Reply::Done)
             }
             Command::Flush => Ok(Reply::Done),

@@ -785,6 +785,67 @@ async fn a_barrier_after_a_burst_larger_than_the_outbox_comes_after_every_send_a
     }
 }
 
+/// PROTOCOL.md 4: a device that reconnects "resumes where it stopped". An acknowledgement
+/// past the chain's newest seq (the inbox's, or a read fan-out group's) counts up to the
+/// newest, so what comes after it still reaches the device when it resumes.
+#[tokio::test]
+async fn an_ack_past_the_newest_seq_does_not_skip_what_comes_next() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(641).await;
+    let t = s.token(642).await;
+    let _ = s.user(643).await;
+    let g = new_group_named(&owner, "acks", &[642, 643]).await;
+    for i in 0..2 {
+        owner
+            .post("/v1/messages", &text_to_user(&format!("a{i}"), 642, "x"))
+            .await
+            .unwrap();
+    }
+    owner
+        .post("/v1/messages", &text_to_conv("g0", &g, "x"))
+        .await
+        .unwrap();
+    let mut ws = s.ws(&t, "d").await;
+    let head = ws.hello["user_seq"].as_u64().unwrap();
+    let group_seq = newest_seq(&owner, &g).await;
+    for (req, ack) in [
+        (1, json!({"type": "ack", "user_seq": head + 1000})),
+        (
+            2,
+            json!({"type": "ack", "conversation_id": g.clone(), "seq": group_seq + 1000}),
+        ),
+    ] {
+        assert_eq!(request(&mut ws, ack, req).await["type"], "ok");
+    }
+    ws.close().await;
+    owner
+        .post(
+            "/v1/messages",
+            &text_to_user("a-next", 642, "after the ack"),
+        )
+        .await
+        .unwrap();
+    owner
+        .post("/v1/messages", &text_to_conv("g-next", &g, "after the ack"))
+        .await
+        .unwrap();
+    let mut ws = s.ws(&t, "d").await;
+    let synced = request(&mut ws, json!({"type": "sync"}), 3).await;
+    assert_eq!(synced["cursor"], head, "{synced}");
+    let listed = synced["conversations"].as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{synced}");
+    assert_eq!(listed[0]["cursor"], group_seq, "{synced}");
+    let inbox = request(&mut ws, json!({"type": "pull", "chain": "user"}), 4).await;
+    assert_eq!(item_seqs(&inbox), vec![head + 1], "{inbox}");
+    let group = request(
+        &mut ws,
+        json!({"type": "pull", "chain": "conversation", "conversation_id": g.clone()}),
+        5,
+    )
+    .await;
+    assert_eq!(item_seqs(&group), vec![group_seq + 1], "{group}");
+}
+
 /// The same order for a `read`, which has no reply of its own: once the `pong` of a `ping`
 /// sent after it arrives, the read mark is committed and `GET /v1/conversations/{id}`
 /// shows it.
