@@ -144,13 +144,14 @@ async fn authorize(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(bearer);
+    // An empty parameter is one not given, as on every other endpoint.
     let token = header_token
-        .or(p.token.as_deref())
+        .or(p.token.as_deref().filter(|t| !t.is_empty()))
         .ok_or_else(ApiError::unauthorized)?;
     let (user, token_gen) = app.authenticate_token(token).await?;
     let device = DeviceId::parse(p.device_id.as_deref().unwrap_or(""))
         .map_err(|e| ApiError::invalid(e.0))?;
-    if let Some(pl) = p.platform.as_deref()
+    if let Some(pl) = p.platform.as_deref().filter(|pl| !pl.is_empty())
         && !matches!(pl, "ios" | "android" | "web" | "desktop")
     {
         return Err(ApiError::invalid(
@@ -353,6 +354,15 @@ async fn answer(conn: &mut Connection, mut w: Writer<'_>, text: &str) -> Result<
 fn done(req: Option<i64>) -> Vec<String> {
     req.map(|req| vec![ServerFrame::Ok { req }.to_json()])
         .unwrap_or_default()
+}
+
+/// The `req` of a frame that is refused unread (one over the size limit, a binary frame on
+/// the JSON subprotocol), when it holds a JSON object with one: its error then carries it,
+/// as every other does.
+fn req_in(frame: &[u8]) -> Option<i64> {
+    serde_json::from_slice::<FrameHead>(frame)
+        .ok()
+        .and_then(|h| h.req.and_then(|r| r.int()))
 }
 
 /// What handling a frame came to.
@@ -575,7 +585,7 @@ async fn run(
                             Ok(text) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec), &text)).await,
                             Err((req, e)) => Ok(conn.bad_frame(req, &e)),
                         },
-                        Codec::Json => Ok(conn.bad_frame(None, "binary frames are not part of pigeon.v1.json")),
+                        Codec::Json => Ok(conn.bad_frame(req_in(&b), "binary frames are not part of pigeon.v1.json")),
                     },
                     WsMessage::Ping(_) | WsMessage::Pong(_) => Ok(Vec::new()),
                     WsMessage::Close(_) => break Stop::ClientClosed,
@@ -781,10 +791,7 @@ impl Connection {
         if text.len() > MAX_FRAME_BYTES {
             // Read whole (up to the 2 MiB the socket accepts), so its `req` can be echoed; it
             // counts as a bad frame, so a client cannot have the server parse them forever.
-            let req = serde_json::from_str::<FrameHead>(text)
-                .ok()
-                .and_then(|h| h.req.and_then(|r| r.int()));
-            return self.too_large(req).into();
+            return self.too_large(req_in(text.as_bytes())).into();
         }
         // First only what every frame has (the rest is skipped, but its syntax checked),
         // then the typed frame straight from the text: no intermediate JSON tree.

@@ -52,6 +52,11 @@ async fn malformed_frames_get_invalid_argument_and_the_connection_stays() {
     assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 12);
     ws.send_binary(vec![1, 2, 3]).await.unwrap();
     expect_error(&mut ws, "invalid_argument").await;
+    // A binary frame holding a JSON object: refused too, with its `req`.
+    ws.send_binary(br#"{"type":"ping","req":77}"#.to_vec())
+        .await
+        .unwrap();
+    assert_eq!(expect_error(&mut ws, "invalid_argument").await["req"], 77);
     // A `req` or `type` that is not an integer or a string: refused, without its `req`.
     for bad in [
         json!({"type": "ping", "req": "13"}),
@@ -731,7 +736,8 @@ async fn the_upgrade_takes_the_listed_platforms_and_refuses_others() {
         req
     };
     let mut held = Vec::new();
-    for platform in ["ios", "android", "web", "desktop"] {
+    // An empty one is one not given (PROTOCOL-EXTENSIONS.md).
+    for platform in ["ios", "android", "web", "desktop", ""] {
         let ws = WsConn::connect_request(upgrade(platform))
             .await
             .unwrap_or_else(|e| panic!("platform={platform} is refused: {e}"));
