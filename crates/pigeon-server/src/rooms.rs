@@ -5,6 +5,7 @@
 //! flush and drops the rest (senders are never told).
 
 use crate::hub::{Outbox, Outgoing};
+use axum::extract::ws::Utf8Bytes;
 use pigeon_proto::UserId;
 use pigeon_proto::frames::{RoomMessage, ServerFrame};
 use std::collections::{HashMap, VecDeque};
@@ -83,9 +84,11 @@ impl Rooms {
             }
             room
         };
-        let frame = serde_json::json!({"type": "room_closed", "room_id": id}).to_string();
+        let frame: Utf8Bytes = serde_json::json!({"type": "room_closed", "room_id": id})
+            .to_string()
+            .into();
         for (_, outbox) in room.viewers.values() {
-            outbox.send(Outgoing::Frame(frame.clone().into()));
+            outbox.send(Outgoing::Frame(frame.clone()));
         }
         Ok(())
     }
@@ -179,9 +182,10 @@ impl Rooms {
         }
         // Frames are built and queued outside the lock.
         for (room_id, messages, viewers) in out {
-            let frame = ServerFrame::RoomMsgs { room_id, messages }.to_json();
+            // One buffer shared by every viewer's outbox (a clone is a reference count).
+            let frame: Utf8Bytes = ServerFrame::RoomMsgs { room_id, messages }.to_json().into();
             for v in viewers {
-                v.send(Outgoing::Frame(frame.clone().into()));
+                v.send(Outgoing::Frame(frame.clone()));
             }
         }
     }

@@ -52,6 +52,10 @@ const READ_BUFFER_BYTES: usize = 512;
 const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
+/// How long a write may wait for the client to take it: a client that stops reading is
+/// closed as too slow (1013) after this, so it cannot hold its task, its outbox and its
+/// unacknowledged pushes for ever (the heartbeat is checked only between writes).
+const WRITE_STALL: Duration = Duration::from_secs(10);
 const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
 /// How long a new connection waits for the other connections of its device to queue their
 /// acknowledged positions (`Outgoing::SaveCursors`).
@@ -311,9 +315,12 @@ impl<'a> Writer<'a> {
                 _ = self.shutdown.changed() => break Stop::Close(1001, "server shutting down"),
                 () = &mut barrier => return Ok(()),
                 out = self.out_rx.recv() => {
-                    let fed = feed_queued(conn, self.sink, self.out_rx, self.codec, Some(out), COALESCE_MAX).await;
-                    if !fed || self.sink.flush().await.is_err() {
-                        break Stop::Gone;
+                    let write = async {
+                        feed_queued(conn, self.sink, self.out_rx, self.codec, Some(out), COALESCE_MAX).await
+                            && self.sink.flush().await.is_ok()
+                    };
+                    if let Err(stop) = write_within(write).await {
+                        break stop;
                     }
                 }
             }
@@ -325,11 +332,22 @@ impl<'a> Writer<'a> {
     /// After the outbox was killed: writes what it holds (a `kicked` frame) and says how
     /// the connection closes.
     async fn stop_for_kill(&mut self, conn: &mut Connection) -> Stop {
-        feed_queued(conn, self.sink, self.out_rx, self.codec, None, usize::MAX).await;
+        let write = feed_queued(conn, self.sink, self.out_rx, self.codec, None, usize::MAX);
+        let _ = tokio::time::timeout(WRITE_STALL, write).await;
         match conn.outbox.kill_reason() {
             Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
             _ => Stop::Close(1013, "too slow; reconnect and sync"),
         }
+    }
+}
+
+/// Runs a write to the socket (true when it went through): the connection ends when the
+/// socket failed, or as too slow when the client has not taken it within [`WRITE_STALL`].
+async fn write_within(write: impl Future<Output = bool>) -> Result<(), Stop> {
+    match tokio::time::timeout(WRITE_STALL, write).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Stop::Gone),
+        Err(_) => Err(Stop::Close(1013, "too slow; reconnect and sync")),
     }
 }
 
@@ -550,9 +568,12 @@ async fn run(
             }
             _ = shutdown.changed() => break Stop::Close(1001, "server shutting down"),
             out = out_rx.recv() => {
-                let fed = feed_queued(&mut conn, &mut sink, &mut out_rx, codec, Some(out), COALESCE_MAX).await;
-                if !fed || sink.flush().await.is_err() {
-                    break Stop::Gone;
+                let write = async {
+                    feed_queued(&mut conn, &mut sink, &mut out_rx, codec, Some(out), COALESCE_MAX).await
+                        && sink.flush().await.is_ok()
+                };
+                if let Err(stop) = Box::pin(write_within(write)).await {
+                    break stop;
                 }
             }
             incoming = stream.next() => {
@@ -605,28 +626,33 @@ async fn run(
                 }
                 if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
                     // What was queued before still goes first.
-                    feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
-                    for r in replies {
-                        let _ = sink.feed(codec.message(r.into())).await;
-                    }
+                    let write = async {
+                        feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
+                        for r in replies {
+                            let _ = sink.feed(codec.message(r.into())).await;
+                        }
+                    };
+                    let _ = Box::pin(tokio::time::timeout(WRITE_STALL, write)).await;
                     break Stop::Close(1008, "too many bad frames");
                 }
                 // What was queued for this connection before these replies goes first: a
                 // `sync` or `pull` waited for the barrier, by which its sends' `send_ack`s
                 // and pushes are on the outbox, and the protocol answers frames in order.
-                let mut ok = replies.is_empty()
-                    || feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
-                for r in replies {
-                    if !ok {
-                        break;
+                let write = async {
+                    if !replies.is_empty()
+                        && !feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await
+                    {
+                        return false;
                     }
-                    if sink.feed(codec.message(r.into())).await.is_err() {
-                        ok = false;
-                        break;
+                    for r in replies {
+                        if sink.feed(codec.message(r.into())).await.is_err() {
+                            return false;
+                        }
                     }
-                }
-                if !ok || sink.flush().await.is_err() {
-                    break Stop::Gone;
+                    sink.flush().await.is_ok()
+                };
+                if let Err(stop) = Box::pin(write_within(write)).await {
+                    break stop;
                 }
             }
             _ = &mut timer => {
@@ -635,15 +661,16 @@ async fn run(
                     break Stop::Close(1001, "heartbeat timeout");
                 }
                 let resend = conn.due_resends(retry);
-                let mut ok = true;
-                for frame in resend {
-                    if sink.feed(codec.message(frame)).await.is_err() {
-                        ok = false;
-                        break;
+                let write = async {
+                    for frame in resend {
+                        if sink.feed(codec.message(frame)).await.is_err() {
+                            return false;
+                        }
                     }
-                }
-                if !ok || sink.flush().await.is_err() {
-                    break Stop::Gone;
+                    sink.flush().await.is_ok()
+                };
+                if let Err(stop) = Box::pin(write_within(write)).await {
+                    break stop;
                 }
                 if conn.cursors_dirty && conn.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY {
                     Box::pin(conn.flush_cursors(false)).await;

@@ -1039,3 +1039,35 @@ async fn one_cumulative_ack_per_chain_stops_the_resends_of_every_push_it_covers(
         "a push covered by a cumulative ack was resent: {late:?}"
     );
 }
+
+/// A client that stops reading cannot hold its connection (and what is queued for it) for
+/// ever: once a write to it has waited 10 s, the server closes it as too slow, well before
+/// its heartbeat (30 s here) would.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_closed() {
+    let s = spawn_server().await;
+    let alice = s.user(651).await;
+    let t = s.token(652).await;
+    let _reader = s.ws(&t, "never-reads").await;
+    let count = || s.running.as_ref().unwrap().app.hub.connection_count();
+    assert_eq!(count(), 1);
+    // More than the socket buffers hold: the server's writes to it block.
+    let content = "x".repeat(60 * 1024);
+    for i in 0..300 {
+        alice
+            .post(
+                "/v1/messages",
+                &text_to_user(&format!("big-{i}"), 652, &content),
+            )
+            .await
+            .unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    while count() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a connection that reads nothing is still open"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
