@@ -283,6 +283,9 @@ impl Engine {
     pub fn caches_full(&self) -> bool {
         self.conversations.len() > self.cfg.max_cached_conversations
             || self.absent.len() > self.cfg.max_cached_conversations
+            // A head is a few bytes, and one is kept for every user asked about (those
+            // that do not exist too): a bound of its own, looser than the conversations'.
+            || self.inbox_heads.len() > 4 * self.cfg.max_cached_conversations
     }
 
     /// Drops the cached conversations. Only while no batch is open or being committed: the
@@ -748,13 +751,14 @@ impl Engine {
         ch: &mut Changes,
         ev: &mut Vec<Event>,
     ) -> Outcome {
-        if users.is_empty() || users.len() > rules::MAX_USERS_PER_REQUEST {
-            return Err(DomainError::invalid(format!(
-                "user_ids must hold 1..={} users",
-                rules::MAX_USERS_PER_REQUEST
-            )));
-        }
-        let known = self.known_users.clone();
+        rules::validate_invitees(&users)?;
+        // Looked up before the group is borrowed: at most a thousand, not a copy of every
+        // known user.
+        let unknown: HashSet<UserId> = users
+            .iter()
+            .filter(|u| !self.known_users.contains(u))
+            .copied()
+            .collect();
         let conv = self.member_group_mut(conv_id, actor)?;
         role_of(conv, actor)?;
         still_open(conv)?;
@@ -765,7 +769,7 @@ impl Engine {
                     "user {u} is already a member"
                 )));
             }
-            if !known.contains(&u) {
+            if unknown.contains(&u) {
                 return Err(DomainError::NotFound("user"));
             }
             if !fresh.contains(&u) {

@@ -30,6 +30,17 @@ pub fn visible_range(joined_seq: u64, left_seq: Option<u64>, newest_seq: u64) ->
     )
 }
 
+/// The users of one invitation: 1 to [`MAX_USERS_PER_REQUEST`]. Checked at the edge too,
+/// before the pipeline loads anything for them.
+pub fn validate_invitees(users: &[UserId]) -> Result<(), DomainError> {
+    if users.is_empty() || users.len() > MAX_USERS_PER_REQUEST {
+        return Err(DomainError::invalid(format!(
+            "user_ids must hold 1..={MAX_USERS_PER_REQUEST} users"
+        )));
+    }
+    Ok(())
+}
+
 /// Whether refusing `user` a conversation they are not in may depend on whether it exists.
 /// A single chat of two other users may not: its id is derived from the pair and it exists
 /// from their first message on, so "no such conversation" would tell who has talked to

@@ -102,6 +102,8 @@ pub async fn invite(
     ApiJson(b): ApiJson<InviteBody>,
 ) -> ApiResult<Json<ConversationView>> {
     let conv = parse_conversation(&id)?;
+    // Before the pipeline loads every one of them.
+    rules::validate_invitees(&b.user_ids)?;
     run_then_view(
         &app,
         me,

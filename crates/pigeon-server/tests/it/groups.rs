@@ -1274,3 +1274,31 @@ async fn group_endpoints_answer_a_stranger_not_member_and_a_missing_group_not_fo
         ]
     );
 }
+
+/// An invitation names 1 to 1000 users: none, or more (here ids that do not even exist,
+/// which the server would otherwise look up one by one), is `invalid_argument` before
+/// anything is loaded, and the group is unchanged.
+#[tokio::test]
+async fn an_invitation_of_no_one_or_over_1000_users_is_refused() {
+    let s = spawn_server().await;
+    let Trio { alice, id, .. } = trio(&s).await;
+    let too_many: Vec<u64> = (1_000_000..1_001_001).collect();
+    for users in [Vec::new(), too_many] {
+        let (status, body) = alice
+            .raw(
+                reqwest::Method::POST,
+                &format!("/v1/groups/{id}/members"),
+                Some(&json!({ "user_ids": users })),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (400, Some("invalid_argument")),
+            "{} users: {body}",
+            users.len()
+        );
+    }
+    let g = alice.get(&format!("/v1/conversations/{id}")).await.unwrap();
+    assert_eq!(g["member_count"], 3, "{g}");
+}
