@@ -66,7 +66,7 @@ pub struct ServeArgs {
     /// Longest token lifetime the admin API mints, in seconds [default: 31536000, a year]
     #[arg(long, env = "PIGEON_MAX_TOKEN_TTL_SECS")]
     pub max_token_ttl_secs: Option<u64>,
-    /// Sends one user may make per second, over all their devices, with bursts of ten times that; 0 turns the limit off [default: 1000]
+    /// Sends (and other writes: edits, reads, group changes) one user may make per second, over all their devices, with bursts of ten times that; 0 turns the limit off [default: 1000]
     #[arg(long, env = "PIGEON_SEND_RATE_PER_SEC")]
     pub send_rate_per_sec: Option<u32>,
     /// URL that gets a JSON POST for messages reaching users with no connected device

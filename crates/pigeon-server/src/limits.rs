@@ -27,7 +27,9 @@ impl RateLimits {
         }
     }
 
-    /// Takes one send from `user`'s allowance.
+    /// Takes one write from `user`'s allowance: a send, or any change that appends to a
+    /// chain or tells other members (an edit, a recall, a group change, a read, a setting),
+    /// so that no write is a way around the send limit.
     pub fn check_send(&self, user: UserId) -> Result<(), ApiError> {
         let Some(limiter) = &self.sends else {
             return Ok(());

@@ -919,6 +919,7 @@ impl Connection {
                 ])
             }
             ClientFrame::Read(r) => {
+                app.limits.check_send(self.user)?;
                 self.sent_on(Tier::Fast);
                 let cmd = Command::Read {
                     user: self.user,

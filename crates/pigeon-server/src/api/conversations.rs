@@ -187,6 +187,7 @@ pub async fn read(
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<ReadBody>,
 ) -> ApiResult<Json<Value>> {
+    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     let reply = app
         .pipeline
@@ -239,6 +240,7 @@ pub async fn settings(
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<SettingsBody>,
 ) -> ApiResult<Json<ConversationView>> {
+    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     if b.pinned.is_none() && b.muted.is_none() && b.hidden.is_none() {
         return Err(ApiError::invalid("give any of pinned, muted, hidden"));

@@ -26,6 +26,7 @@ pub async fn create(
     State(app): State<AppRef>,
     ApiJson(b): ApiJson<CreateBody>,
 ) -> ApiResult<Json<ConversationView>> {
+    app.limits.check_send(me)?;
     if b.members.len() > rules::MAX_USERS_PER_REQUEST {
         return Err(ApiError::invalid(format!(
             "at most {} members at creation",
@@ -62,6 +63,7 @@ pub async fn update(
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<UpdateBody>,
 ) -> ApiResult<Json<ConversationView>> {
+    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     if let Some(n) = &b.name {
         rules::validate_text_field("name", n, rules::MAX_GROUP_NAME_CHARS)?;
@@ -101,6 +103,7 @@ pub async fn invite(
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<InviteBody>,
 ) -> ApiResult<Json<ConversationView>> {
+    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     // Before the pipeline loads every one of them.
     rules::validate_invitees(&b.user_ids)?;
@@ -122,6 +125,7 @@ pub async fn remove(
     State(app): State<AppRef>,
     ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
+    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
     run(
@@ -161,6 +165,7 @@ pub async fn add_admin(
     State(app): State<AppRef>,
     ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
+    app.limits.check_send(me)?;
     set_admin(app, me, id, uid, true).await
 }
 
@@ -169,6 +174,7 @@ pub async fn remove_admin(
     State(app): State<AppRef>,
     ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
+    app.limits.check_send(me)?;
     set_admin(app, me, id, uid, false).await
 }
 
@@ -184,6 +190,7 @@ pub async fn mute(
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<MuteBody>,
 ) -> ApiResult<Json<Value>> {
+    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     run(
         &app,
@@ -202,6 +209,7 @@ pub async fn unmute(
     State(app): State<AppRef>,
     ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
+    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
     run(
@@ -220,6 +228,7 @@ pub async fn dismiss(
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
+    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     run(
         &app,

@@ -46,6 +46,7 @@ pub async fn recall(
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Message>> {
+    app.limits.check_send(me)?;
     let msg_id = path_msg_id(&id)?;
     expect_message(
         app.pipeline
@@ -65,6 +66,7 @@ pub async fn edit(
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<EditBody>,
 ) -> ApiResult<Json<Message>> {
+    app.limits.check_send(me)?;
     let msg_id = path_msg_id(&id)?;
     validate_edit_content(&b.content, app.limits())?;
     expect_message(
@@ -126,6 +128,7 @@ pub async fn hide(
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Message>> {
+    app.limits.check_send(me)?;
     let msg_id = path_msg_id(&id)?;
     readable_message(&app, me, msg_id).await?;
     app.pipeline

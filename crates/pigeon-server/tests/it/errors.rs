@@ -407,6 +407,55 @@ async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
     assert_eq!(ack["type"], "send_ack", "allowed again after the hint");
 }
 
+/// Every write shares the send allowance, so none is a way around it: group changes (each
+/// appends a command message to every member's inbox), edits and reads answer
+/// `rate_limited` once the user's allowance is spent.
+#[tokio::test]
+async fn every_write_shares_the_send_rate_limit() {
+    let s = spawn_with(|c| c.send_rate_per_sec = 2).await;
+    let alice = s.user(1).await;
+    let _ = s.user(2).await;
+    let g = new_group_named(&alice, "limited", &[2]).await;
+    let mut limited = None;
+    for i in 0..50 {
+        let (status, body) = alice
+            .raw(
+                Method::PATCH,
+                &format!("/v1/groups/{g}"),
+                Some(&json!({"name": format!("n{i}")})),
+            )
+            .await
+            .unwrap();
+        if status == 429 {
+            limited = Some(body);
+            break;
+        }
+        assert_eq!(status, 200, "{body}");
+    }
+    let body = limited.expect("50 group changes are over 2/s (bursts of 20)");
+    assert_eq!(body["code"], "rate_limited");
+    assert!(body["retry_after_ms"].as_u64().unwrap() >= 1);
+    for (method, path, body) in [
+        (
+            Method::POST,
+            format!("/v1/conversations/{g}/read"),
+            json!({"seq": 1}),
+        ),
+        (
+            Method::POST,
+            "/v1/groups".to_owned(),
+            json!({"name": "more", "members": [2]}),
+        ),
+    ] {
+        let (status, answer) = alice.raw(method, &path, Some(&body)).await.unwrap();
+        assert_eq!(
+            (status, answer["code"].as_str()),
+            (429, Some("rate_limited")),
+            "{path}"
+        );
+    }
+}
+
 /// Calls `method path` as `h`; answers the HTTP status with the body's `code`, so a test
 /// pins both halves of a row of the error table at once.
 async fn status_and_code(
