@@ -537,6 +537,15 @@ impl Hub {
         }
     }
 
+    /// How many long polls of `user` are waiting.
+    pub fn long_polls_of(&self, user: UserId) -> usize {
+        self.waiters
+            .lock()
+            .expect("waiters lock")
+            .get(&user)
+            .map_or(0, |w| Arc::strong_count(w) - 1)
+    }
+
     /// Wakes the long polls of `user`; `in_group` for a message of a read fan-out group,
     /// which moves no inbox (the polls learn of it from [`Waiter::group_message_arrived`]).
     fn wake(&self, user: UserId, in_group: bool) {

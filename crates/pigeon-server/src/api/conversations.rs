@@ -8,8 +8,8 @@ use axum::Json;
 use axum::extract::State;
 use pigeon_core::command::{Command, Reply, SettingsPatch};
 use pigeon_core::store::{HistoryAnchor, HistoryQuery, ListCursor};
-use pigeon_proto::DeviceId;
 use pigeon_proto::views::ConversationView;
+use pigeon_proto::{DeviceId, ErrorCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -286,6 +286,9 @@ pub struct SyncParams {
     wait_ms: Option<u64>,
 }
 
+/// Long polls one user may hold waiting at once.
+const MAX_LONG_POLLS_PER_USER: usize = 8;
+
 /// The device name pull-mode clients are tracked under.
 const HTTP_DEVICE: &str = "http";
 
@@ -306,6 +309,16 @@ pub async fn sync(
     }
     let limit = limit.min(PULL_MAX) as u32;
     let after = q.user_seq.unwrap_or(0);
+    // Each waiting poll is woken, and answers with a whole sync, by every message to the
+    // user: a few at once are plenty for one user's devices.
+    if wait_ms > 0 && app.hub.long_polls_of(me) >= MAX_LONG_POLLS_PER_USER {
+        let mut e = ApiError::new(
+            ErrorCode::RateLimited,
+            format!("at most {MAX_LONG_POLLS_PER_USER} long polls at once per user"),
+        );
+        e.retry_after_ms = Some(1_000);
+        return Err(e);
+    }
     let device = DeviceId::parse(HTTP_DEVICE).expect("a valid device id");
     // Register interest before looking, so that a message committed in between wakes us.
     let waiter = app.hub.waiter(me);

@@ -1071,3 +1071,49 @@ async fn a_client_that_stops_reading_is_closed() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// A user holds at most 8 long polls at once: each is woken, and answers with a whole sync,
+/// by every message to them. The ninth answers `rate_limited` with a hint; a poll that does
+/// not wait (`wait_ms=0`) is always answered.
+#[tokio::test]
+async fn a_user_holds_at_most_8_long_polls_at_once() {
+    let s = spawn_server().await;
+    let bob = s.user(662).await;
+    let mut waiting = Vec::new();
+    for _ in 0..8 {
+        let bob = bob.clone();
+        waiting.push(tokio::spawn(async move {
+            bob.get("/v1/sync?wait_ms=20000").await
+        }));
+    }
+    let hub = &s.running.as_ref().unwrap().app.hub;
+    let user = pigeon_proto::UserId::new(662).unwrap();
+    while hub.long_polls_of(user) < 8 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, body) = bob
+        .raw(reqwest::Method::GET, "/v1/sync?wait_ms=20000", None)
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (429, Some("rate_limited")),
+        "{body}"
+    );
+    assert!(body["retry_after_ms"].as_u64().is_some(), "{body}");
+    assert!(bob.get("/v1/sync?wait_ms=0").await.is_ok());
+    // A message ends the eight.
+    s.user(661)
+        .await
+        .post("/v1/messages", &text_to_user("poll", 662, "wake"))
+        .await
+        .unwrap();
+    for w in waiting {
+        let r = tokio::time::timeout(WAIT, w)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(r["items"].as_array().unwrap().len(), 1, "{r}");
+    }
+}
