@@ -862,11 +862,15 @@ impl Connection {
         match result {
             Ok(frames) => frames.into(),
             Err(e) => {
-                if e.code == ErrorCode::InvalidArgument {
-                    self.bad_frame(req, &e.message).into()
-                } else {
-                    vec![e.frame(req)].into()
+                // A frame refused for what it is (not for the state it meets) counts as bad:
+                // content over the limit too, which costs its parsing every time.
+                if matches!(
+                    e.code,
+                    ErrorCode::InvalidArgument | ErrorCode::PayloadTooLarge
+                ) {
+                    self.count_bad_frame();
                 }
+                vec![e.frame(req)].into()
             }
         }
     }
@@ -879,8 +883,10 @@ impl Connection {
         let app = self.app.clone();
         match frame {
             ClientFrame::Send(s) => {
-                let cmd = validate_send(self.user, s, app.limits())?;
+                // The allowance first: a refused frame costs its validation, not only a
+                // valid one.
                 app.limits.check_send(self.user)?;
+                let cmd = validate_send(self.user, s, app.limits())?;
                 let reply = ReplyTo::Connection {
                     outbox: self.outbox.clone(),
                     req,

@@ -17,8 +17,8 @@ pub async fn send(
     State(app): State<AppRef>,
     ApiJson(req): ApiJson<SendRequest>,
 ) -> ApiResult<Json<SendAck>> {
-    let cmd = validate_send(me, req, app.limits())?;
     app.limits.check_send(me)?;
+    let cmd = validate_send(me, req, app.limits())?;
     match app.pipeline.call(Command::Send(cmd)).await? {
         Reply::SendAck(ack) => Ok(Json(ack)),
         other => {

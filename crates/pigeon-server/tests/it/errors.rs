@@ -114,6 +114,32 @@ async fn oversized_content_and_frames() {
     assert_eq!(ws.closed(WAIT).await, Some(1009));
 }
 
+/// Content over the limit, sent again and again, counts as bad frames too (each costs its
+/// parsing): past 100 in 10 s the connection is closed with 1008, each one answered
+/// `payload_too_large` until then.
+#[tokio::test]
+async fn a_connection_that_keeps_sending_oversized_content_is_closed_with_1008() {
+    let (_s, mut ws) = connected().await;
+    let content = "x".repeat(65_537);
+    let mut answered = 0;
+    for i in 0..150 {
+        let mut send = send_frame(text_to_user(&format!("big-{i}"), 222, &content));
+        send["req"] = json!(i);
+        if ws.send(&send).await.is_err() {
+            break;
+        }
+    }
+    while let Ok(Some(f)) = ws.recv(WAIT).await {
+        assert_eq!(f["code"], "payload_too_large", "{f}");
+        answered += 1;
+    }
+    assert_eq!(ws.closed_with.as_ref().map(|c| c.0), Some(1008));
+    assert!(
+        (100..150).contains(&answered),
+        "{answered} answered before the close"
+    );
+}
+
 #[tokio::test]
 async fn a_connection_that_keeps_sending_garbage_is_closed_with_1008() {
     let (_s, mut ws) = connected().await;
