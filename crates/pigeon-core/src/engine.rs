@@ -939,8 +939,19 @@ impl Engine {
         if now - msg.created_at > self.cfg.edit_window_ms {
             return Err(DomainError::WindowExpired);
         }
+        if msg.version >= rules::MAX_MESSAGE_VERSIONS {
+            return Err(DomainError::Conflict(format!(
+                "a message keeps at most {} versions",
+                rules::MAX_MESSAGE_VERSIONS
+            )));
+        }
         if let Some(conv) = self.conversations.get(&conv_id) {
             still_open(conv)?;
+            // An edit reaches every member, as a send does: not while muted.
+            let me = conv.members.get(&actor).expect("visible: a member");
+            if me.mute_until.is_some_and(|until| until > now) {
+                return Err(DomainError::Muted);
+            }
         }
         let mut updated = msg.clone();
         updated.version += 1;

@@ -20,6 +20,9 @@ pub const MAX_AVATAR_CHARS: usize = 2048;
 pub const MAX_USERS_PER_REQUEST: usize = 1000;
 pub const MAX_GROUP_MEMBERS: usize = 100_000;
 pub const MAX_MUTE_SECS: u64 = 366 * 86_400;
+/// Versions one message keeps (the original and its edits): each may hold the largest
+/// content, and `GET /v1/messages/{id}/versions` answers them all.
+pub const MAX_MESSAGE_VERSIONS: u32 = 100;
 
 /// The part of a conversation's chain a membership may read: `joined_seq ..= left_seq` (or
 /// up to the newest seq while still a member).

@@ -455,6 +455,11 @@ async fn a_muted_member_cannot_send_until_unmuted() {
         tokens,
     } = trio(&s).await;
     let (mut a, mut b, mut c) = connect_abc(&s, &tokens).await;
+    let before = bob
+        .post("/v1/messages", &text_to_conv("b0", &id, "before the mute"))
+        .await
+        .unwrap();
+    let before_id = before["msg_id"].as_str().unwrap().to_owned();
 
     // Only the owner and admins mute.
     assert_eq!(
@@ -502,6 +507,17 @@ async fn a_muted_member_cannot_send_until_unmuted() {
     assert_eq!(
         (e["type"].as_str(), e["code"].as_str()),
         (Some("error"), Some("muted"))
+    );
+    // An edit reaches every member as a send does: not while muted either.
+    assert_eq!(
+        code_of(
+            bob.patch(
+                &format!("/v1/messages/{before_id}"),
+                &json!({"content": "edited while muted"})
+            )
+            .await
+        ),
+        "muted"
     );
     let seq_muted = newest_seq(&alice, &id).await;
     // Others still talk; muting in a group does not touch bob's single chats.

@@ -537,3 +537,41 @@ async fn admin_delete_wipes_extra_mentions_and_every_version() {
         .unwrap();
     assert_eq!(audit["versions"].as_array().unwrap().len(), 2, "{audit}");
 }
+
+/// A message keeps at most 100 versions (the original and 99 edits): each may hold the
+/// largest content and `versions` answers them all, so an edit past that is a `conflict`,
+/// and the message stays at its last version.
+#[tokio::test]
+async fn a_message_keeps_at_most_100_versions() {
+    let s = spawn_server().await;
+    let alice = s.user(701).await;
+    let _ = s.user(702).await;
+    let sent = alice
+        .post("/v1/messages", &text_to_user("v", 702, "v1"))
+        .await
+        .unwrap();
+    let id = sent["msg_id"].as_str().unwrap().to_owned();
+    for v in 2..=100 {
+        let m = alice
+            .patch(
+                &format!("/v1/messages/{id}"),
+                &json!({"content": format!("v{v}")}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(m["version"], v);
+    }
+    assert_eq!(
+        code_of(
+            alice
+                .patch(&format!("/v1/messages/{id}"), &json!({"content": "v101"}))
+                .await
+        ),
+        "conflict"
+    );
+    let versions = alice
+        .get(&format!("/v1/messages/{id}/versions"))
+        .await
+        .unwrap();
+    assert_eq!(versions["versions"].as_array().unwrap().len(), 100);
+}
