@@ -50,6 +50,10 @@ const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
 const READ_BUFFER_BYTES: usize = 512;
 /// Bytes of frames gathered before they are written to the socket (see [`upgrade`]).
 const WRITE_BUFFER_BYTES: usize = 16 * 1024;
+/// Conversations a connection's typing throttle tracks at once (each for a second).
+const MAX_TYPING_TRACKED: usize = 256;
+/// Chains one connection may acknowledge between two saves of its positions (every second).
+const MAX_ACKED_CHAINS: usize = 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
 /// How long a write may wait for the client to take it: a client that stops reading is
@@ -961,10 +965,22 @@ impl Connection {
                         None => Ok(done(req)),
                     },
                     _ => {
-                        let result = app.typing(self.user, &t.conversation_id).await;
-                        if self.typing_last.len() > 256 {
-                            self.typing_last.clear();
+                        // Bounded without forgetting the throttle of a conversation still in
+                        // its window (a clear-all let a loop over 257 conversations through).
+                        if self.typing_last.len() >= MAX_TYPING_TRACKED {
+                            self.typing_last.retain(|_, (at, _)| {
+                                now.duration_since(*at) < Duration::from_secs(1)
+                            });
+                            if self.typing_last.len() >= MAX_TYPING_TRACKED {
+                                let mut e = ApiError::new(
+                                    ErrorCode::RateLimited,
+                                    "typing in too many conversations at once",
+                                );
+                                e.retry_after_ms = Some(1_000);
+                                return Err(e);
+                            }
                         }
+                        let result = app.typing(self.user, &t.conversation_id).await;
                         match result.as_ref().err().map(|e| e.code) {
                             // A lasting refusal is remembered; a store that failed is asked
                             // again next time.
@@ -1039,7 +1055,7 @@ impl Connection {
         if let Some(us) = a.user_seq {
             self.unacked
                 .retain(|k, _| !matches!(k, PushChain::Inbox(s) if *s <= us));
-            self.advance("user", us);
+            self.advance("user", us)?;
             any = true;
         }
         match (a.conversation_id, a.seq) {
@@ -1047,7 +1063,7 @@ impl Connection {
                 self.unacked.retain(
                     |k, _| !matches!(k, PushChain::Conversation(c, s) if *c == conv && *s <= seq),
                 );
-                self.advance(conv.as_str(), seq);
+                self.advance(conv.as_str(), seq)?;
                 any = true;
             }
             (None, None) => {}
@@ -1065,12 +1081,18 @@ impl Connection {
         Ok(())
     }
 
-    fn advance(&mut self, chain: &str, seq: u64) {
+    fn advance(&mut self, chain: &str, seq: u64) -> Result<(), ApiError> {
+        if self.cursors.len() >= MAX_ACKED_CHAINS && !self.cursors.contains_key(chain) {
+            return Err(ApiError::invalid(format!(
+                "at most {MAX_ACKED_CHAINS} chains acknowledged a second"
+            )));
+        }
         let e = self.cursors.entry(chain.to_owned()).or_insert(0);
         if seq > *e {
             *e = seq;
             self.cursors_dirty = true;
         }
+        Ok(())
     }
 
     /// Notes that this connection queued a command on `tier` (see `sent_since_barrier`).

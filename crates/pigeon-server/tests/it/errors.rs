@@ -1032,3 +1032,38 @@ async fn a_path_segment_that_is_not_utf8_answers_the_json_error_body() {
         assert!(body["message"].is_string(), "{path}: {body}");
     }
 }
+
+/// What one connection tracks is bounded: at most 1024 chains acknowledged between two
+/// saves of its positions (the next is `invalid_argument`), and typing in at most 256
+/// conversations within a second (the next is `rate_limited`; a throttle is never
+/// forgotten while its second runs, so a loop over many conversations cannot get around
+/// it).
+#[tokio::test]
+async fn a_connection_tracks_at_most_1024_acked_chains_and_256_typed_conversations() {
+    let (_s, mut ws) = connected().await;
+    let mut burst: Vec<String> = (1..=1024)
+        .map(|i| json!({"type": "ack", "conversation_id": format!("g{i}"), "seq": 1}).to_string())
+        .collect();
+    burst.push(json!({"type": "ack", "req": 1, "conversation_id": "g5000", "seq": 1}).to_string());
+    ws.send_burst(burst).await.unwrap();
+    let e = ws
+        .recv_until(WAIT, |v| v["req"] == 1)
+        .await
+        .unwrap()
+        .expect("an answer");
+    assert_eq!(e["code"], "invalid_argument", "{e}");
+    let burst: Vec<String> = (1..=257)
+        .map(|i| {
+            json!({"type": "typing", "req": 1000 + i, "conversation_id": format!("g{i}")})
+                .to_string()
+        })
+        .collect();
+    ws.send_burst(burst).await.unwrap();
+    let last = ws
+        .recv_until(WAIT, |v| v["req"] == 1257)
+        .await
+        .unwrap()
+        .expect("an answer");
+    assert_eq!(last["code"], "rate_limited", "{last}");
+    assert!(last["retry_after_ms"].as_u64().is_some(), "{last}");
+}
