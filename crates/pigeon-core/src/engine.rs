@@ -212,10 +212,15 @@ impl Engine {
                         n.messages.insert(*msg_id);
                     }
                 },
-                Command::AdvanceCursor { user, chain, .. } => match chain {
-                    CursorChain::Inbox => want_user(&mut n, *user),
-                    CursorChain::Conversation(c) => want_conv(&mut n, c),
-                },
+                // The inbox head of the connection's own user (cheap, and cached while they
+                // get messages); a conversation is not loaded for an ack, which anyone can
+                // send for any id: it is clamped when cached (see `apply`).
+                Command::AdvanceCursor {
+                    user,
+                    chain: CursorChain::Inbox,
+                    ..
+                } => want_user(&mut n, *user),
+                Command::AdvanceCursor { .. } => {}
                 Command::UpsertUser { .. } | Command::Logout { .. } | Command::Flush => {}
             }
         }
@@ -239,8 +244,12 @@ impl Engine {
         for (u, head) in loaded.inbox_heads {
             self.inbox_heads.entry(u).or_insert(head);
         }
+        // Users that exist and have no inbox yet start at 0; one that does not exist gets
+        // no entry (an invitation of unknown ids must not grow the map).
         for u in &asked.users {
-            self.inbox_heads.entry(*u).or_insert(0);
+            if self.known_users.contains(u) {
+                self.inbox_heads.entry(*u).or_insert(0);
+            }
         }
         let batch = self.batch;
         for m in &asked.messages {
@@ -283,9 +292,6 @@ impl Engine {
     pub fn caches_full(&self) -> bool {
         self.conversations.len() > self.cfg.max_cached_conversations
             || self.absent.len() > self.cfg.max_cached_conversations
-            // A head is a few bytes, and one is kept for every user asked about (those
-            // that do not exist too): a bound of its own, looser than the conversations'.
-            || self.inbox_heads.len() > 4 * self.cfg.max_cached_conversations
     }
 
     /// Drops the cached conversations. Only while no batch is open or being committed: the
@@ -602,15 +608,21 @@ impl Engine {
                 seq,
             } => {
                 // An acknowledgement past the chain's newest seq counts up to the newest:
-                // stored as given, the device would skip what comes next when it resumes.
-                let newest = match &chain {
-                    CursorChain::Inbox => self.inbox_heads.get(&user).copied(),
-                    CursorChain::Conversation(c) => self.conversations.get(c).map(|c| c.seq),
+                // stored as given, the device would skip what comes next when it resumes. A
+                // conversation that is not cached is stored as given (a client acknowledges
+                // what it was pushed, which is cached then), one known not to exist not at all.
+                let seq = match &chain {
+                    CursorChain::Inbox => {
+                        seq.min(self.inbox_heads.get(&user).copied().unwrap_or(0))
+                    }
+                    CursorChain::Conversation(c) if self.absent.contains(c) => {
+                        return Ok(Reply::Done);
+                    }
+                    CursorChain::Conversation(c) => {
+                        self.conversations.get(c).map_or(seq, |c| seq.min(c.seq))
+                    }
                 };
-                if let Some(newest) = newest {
-                    ch.cursors
-                        .push((user, device, chain.key().to_owned(), seq.min(newest)));
-                }
+                ch.cursors.push((user, device, chain.key().to_owned(), seq));
                 Ok(Reply::Done)
             }
             Command::Flush => Ok(Reply::Done),

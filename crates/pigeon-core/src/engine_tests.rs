@@ -3,7 +3,7 @@
 use super::*;
 use crate::command::SendTo;
 use crate::store::{Loaded, Needs};
-use pigeon_proto::ClientMsgId;
+use pigeon_proto::{ClientMsgId, DeviceId};
 
 fn uid(n: u64) -> UserId {
     UserId::new(n).unwrap()
@@ -400,4 +400,45 @@ fn only_keys_the_store_may_hold_are_looked_up() {
     let b = e.seal(&mut ch);
     e.committed(b);
     assert_eq!(e.needs(&[cmd("sent")]).dedupe.len(), 1);
+}
+
+/// An acknowledged position is saved up to the chain's newest seq: an inbox's head, a
+/// cached conversation's seq (a former member's too); a conversation known not to exist is
+/// not saved, and one not cached is saved as given (nothing is loaded for an ack).
+#[test]
+fn acknowledged_positions_are_clamped_to_the_newest_seq() {
+    let mut e = engine(3, 500);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    send(&mut e, 1, SendTo::User(uid(2)), "a", &mut ch, &mut ev).unwrap();
+    let g = group(&mut e, 1, &[2, 3], &mut ch, &mut ev);
+    let g_seq = e.conversations.get(&g).unwrap().seq;
+    let device = DeviceId::parse("d").unwrap();
+    let advance = |chain: CursorChain, seq: u64| Command::AdvanceCursor {
+        user: uid(2),
+        device: device.clone(),
+        chain,
+        seq,
+    };
+    let missing = ConversationId::parse("g999").unwrap();
+    e.absent.insert(missing.clone());
+    let uncached = ConversationId::parse("g998").unwrap();
+    let mut saved = Changes::default();
+    for cmd in [
+        advance(CursorChain::Inbox, 1_000),
+        advance(CursorChain::Conversation(g.clone()), 1_000),
+        advance(CursorChain::Conversation(missing), 5),
+        advance(CursorChain::Conversation(uncached.clone()), 7),
+    ] {
+        assert!(e.needs(std::slice::from_ref(&cmd)).conversations.is_empty());
+        e.apply(cmd, T0, &mut saved, &mut ev).unwrap();
+    }
+    let head = e.inbox_heads[&uid(2)];
+    assert_eq!(
+        saved.cursors,
+        vec![
+            (uid(2), device.clone(), "user".to_owned(), head),
+            (uid(2), device.clone(), g.as_str().to_owned(), g_seq),
+            (uid(2), device, uncached.as_str().to_owned(), 7),
+        ]
+    );
 }

@@ -52,14 +52,11 @@ const READ_BUFFER_BYTES: usize = 512;
 const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Conversations a connection's typing throttle tracks at once (each for a second).
 const MAX_TYPING_TRACKED: usize = 256;
-/// Chains one connection may acknowledge between two saves of its positions (every second).
+/// Chains one connection holds acknowledged positions of between two saves (every second);
+/// past this they are saved at once.
 const MAX_ACKED_CHAINS: usize = 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
-/// How long a write may wait for the client to take it: a client that stops reading is
-/// closed as too slow (1013) after this, so it cannot hold its task, its outbox and its
-/// unacknowledged pushes for ever (the heartbeat is checked only between writes).
-const WRITE_STALL: Duration = Duration::from_secs(10);
 const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
 /// How long a new connection waits for the other connections of its device to queue their
 /// acknowledged positions (`Outgoing::SaveCursors`).
@@ -310,6 +307,7 @@ impl<'a> Writer<'a> {
         let Some((sent, barrier)) = conn.own_sends_barrier() else {
             return Ok(());
         };
+        let stall = conn.write_stall();
         tokio::pin!(barrier);
         let kill = conn.outbox.clone();
         let ended = loop {
@@ -323,7 +321,7 @@ impl<'a> Writer<'a> {
                         feed_queued(conn, self.sink, self.out_rx, self.codec, Some(out), COALESCE_MAX).await
                             && self.sink.flush().await.is_ok()
                     };
-                    if let Err(stop) = write_within(write).await {
+                    if let Err(stop) = write_within(stall, write).await {
                         break stop;
                     }
                 }
@@ -336,8 +334,9 @@ impl<'a> Writer<'a> {
     /// After the outbox was killed: writes what it holds (a `kicked` frame) and says how
     /// the connection closes.
     async fn stop_for_kill(&mut self, conn: &mut Connection) -> Stop {
+        let stall = conn.write_stall();
         let write = feed_queued(conn, self.sink, self.out_rx, self.codec, None, usize::MAX);
-        let _ = tokio::time::timeout(WRITE_STALL, write).await;
+        let _ = tokio::time::timeout(stall, write).await;
         match conn.outbox.kill_reason() {
             Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
             _ => Stop::Close(1013, "too slow; reconnect and sync"),
@@ -346,9 +345,12 @@ impl<'a> Writer<'a> {
 }
 
 /// Runs a write to the socket (true when it went through): the connection ends when the
-/// socket failed, or as too slow when the client has not taken it within [`WRITE_STALL`].
-async fn write_within(write: impl Future<Output = bool>) -> Result<(), Stop> {
-    match tokio::time::timeout(WRITE_STALL, write).await {
+/// socket failed, or as too slow (1013) when the client has not taken it within `stall`
+/// ([`Connection::write_stall`]), so a client that stops reading cannot hold its task, its
+/// outbox and its unacknowledged pushes for ever (the heartbeat is checked only between
+/// writes).
+async fn write_within(stall: Duration, write: impl Future<Output = bool>) -> Result<(), Stop> {
+    match tokio::time::timeout(stall, write).await {
         Ok(true) => Ok(()),
         Ok(false) => Err(Stop::Gone),
         Err(_) => Err(Stop::Close(1013, "too slow; reconnect and sync")),
@@ -541,6 +543,7 @@ async fn run(
         return;
     }
     let heartbeat = Duration::from_millis(app.cfg.heartbeat_ms);
+    let stall = conn.write_stall();
     let retry = Duration::from_millis(app.cfg.push_retry_ms);
     let resend_check = (retry / 4).clamp(Duration::from_millis(10), Duration::from_millis(1000));
     // One timer per connection, armed only as often as there is something to do: resends
@@ -576,7 +579,7 @@ async fn run(
                     feed_queued(&mut conn, &mut sink, &mut out_rx, codec, Some(out), COALESCE_MAX).await
                         && sink.flush().await.is_ok()
                 };
-                if let Err(stop) = Box::pin(write_within(write)).await {
+                if let Err(stop) = Box::pin(write_within(stall, write)).await {
                     break stop;
                 }
             }
@@ -605,7 +608,11 @@ async fn run(
                     WsMessage::Binary(b) => match codec {
                         // Not decoded: a small protobuf frame can stand for a large tree. A
                         // frame over the limit is too large whatever the subprotocol.
-                        _ if b.len() > MAX_FRAME_BYTES => Ok(conn.too_large(None)),
+                        _ if b.len() > MAX_FRAME_BYTES => Ok(conn.too_large(match codec {
+                            Codec::Json => req_in(&b),
+                            // Not decoded (see above).
+                            Codec::Proto(_) => None,
+                        })),
                         Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
                             Ok(text) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec), &text)).await,
                             Err((req, e)) => Ok(conn.bad_frame(req, &e)),
@@ -636,7 +643,7 @@ async fn run(
                             let _ = sink.feed(codec.message(r.into())).await;
                         }
                     };
-                    let _ = Box::pin(tokio::time::timeout(WRITE_STALL, write)).await;
+                    let _ = Box::pin(tokio::time::timeout(stall, write)).await;
                     break Stop::Close(1008, "too many bad frames");
                 }
                 // What was queued for this connection before these replies goes first: a
@@ -655,7 +662,7 @@ async fn run(
                     }
                     sink.flush().await.is_ok()
                 };
-                if let Err(stop) = Box::pin(write_within(write)).await {
+                if let Err(stop) = Box::pin(write_within(stall, write)).await {
                     break stop;
                 }
             }
@@ -673,7 +680,7 @@ async fn run(
                     }
                     sink.flush().await.is_ok()
                 };
-                if let Err(stop) = Box::pin(write_within(write)).await {
+                if let Err(stop) = Box::pin(write_within(stall, write)).await {
                     break stop;
                 }
                 if conn.cursors_dirty && conn.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY {
@@ -704,7 +711,7 @@ async fn run(
         Stop::ClientClosed => {
             Box::pin(conn.flush_cursors(true)).await;
             // The WebSocket queued its reply to the client's close frame; closing sends it.
-            let _ = sink.close().await;
+            let _ = tokio::time::timeout(CLOSE_WAIT, sink.close()).await;
         }
         Stop::Gone => Box::pin(conn.flush_cursors(true)).await,
     }
@@ -900,6 +907,11 @@ impl Connection {
                 Ok(Vec::new())
             }
             ClientFrame::Ack(a) => {
+                // The positions held between two saves are bounded: past the bound they
+                // are saved now rather than refused.
+                if self.cursors.len() >= MAX_ACKED_CHAINS {
+                    self.flush_cursors(false).await;
+                }
                 self.ack(a)?;
                 Ok(done(req))
             }
@@ -967,7 +979,9 @@ impl Connection {
                     _ => {
                         // Bounded without forgetting the throttle of a conversation still in
                         // its window (a clear-all let a loop over 257 conversations through).
-                        if self.typing_last.len() >= MAX_TYPING_TRACKED {
+                        if self.typing_last.len() >= MAX_TYPING_TRACKED
+                            && !self.typing_last.contains_key(&t.conversation_id)
+                        {
                             self.typing_last.retain(|_, (at, _)| {
                                 now.duration_since(*at) < Duration::from_secs(1)
                             });
@@ -1055,7 +1069,7 @@ impl Connection {
         if let Some(us) = a.user_seq {
             self.unacked
                 .retain(|k, _| !matches!(k, PushChain::Inbox(s) if *s <= us));
-            self.advance("user", us)?;
+            self.advance("user", us);
             any = true;
         }
         match (a.conversation_id, a.seq) {
@@ -1063,7 +1077,7 @@ impl Connection {
                 self.unacked.retain(
                     |k, _| !matches!(k, PushChain::Conversation(c, s) if *c == conv && *s <= seq),
                 );
-                self.advance(conv.as_str(), seq)?;
+                self.advance(conv.as_str(), seq);
                 any = true;
             }
             (None, None) => {}
@@ -1081,18 +1095,12 @@ impl Connection {
         Ok(())
     }
 
-    fn advance(&mut self, chain: &str, seq: u64) -> Result<(), ApiError> {
-        if self.cursors.len() >= MAX_ACKED_CHAINS && !self.cursors.contains_key(chain) {
-            return Err(ApiError::invalid(format!(
-                "at most {MAX_ACKED_CHAINS} chains acknowledged a second"
-            )));
-        }
+    fn advance(&mut self, chain: &str, seq: u64) {
         let e = self.cursors.entry(chain.to_owned()).or_insert(0);
         if seq > *e {
             *e = seq;
             self.cursors_dirty = true;
         }
-        Ok(())
     }
 
     /// Notes that this connection queued a command on `tier` (see `sent_since_barrier`).
@@ -1110,6 +1118,13 @@ impl Connection {
         if let Some((_, barrier)) = self.own_sends_barrier() {
             barrier.await;
         }
+    }
+
+    /// How long a write may wait for the client to take it: two heartbeats, the silence a
+    /// connection is allowed the other way (60 s by default; a client with a large answer
+    /// on a slow link needs the time).
+    fn write_stall(&self) -> Duration {
+        Duration::from_millis(self.app.cfg.heartbeat_ms.saturating_mul(2))
     }
 
     /// Notes again queues this connection's commands went to (a barrier left unfinished).
