@@ -241,11 +241,14 @@ impl Engine {
             }
         }
         self.known_users.extend(loaded.users);
+        // Heads only of users that exist (the store answers one for every user asked about,
+        // and an invitation of made-up ids must not grow the map); one with no inbox yet
+        // starts at 0.
         for (u, head) in loaded.inbox_heads {
-            self.inbox_heads.entry(u).or_insert(head);
+            if self.known_users.contains(&u) {
+                self.inbox_heads.entry(u).or_insert(head);
+            }
         }
-        // Users that exist and have no inbox yet start at 0; one that does not exist gets
-        // no entry (an invitation of unknown ids must not grow the map).
         for u in &asked.users {
             if self.known_users.contains(u) {
                 self.inbox_heads.entry(*u).or_insert(0);
@@ -609,20 +612,18 @@ impl Engine {
             } => {
                 // An acknowledgement past the chain's newest seq counts up to the newest:
                 // stored as given, the device would skip what comes next when it resumes. A
-                // conversation that is not cached is stored as given (a client acknowledges
-                // what it was pushed, which is cached then), one known not to exist not at all.
-                let seq = match &chain {
-                    CursorChain::Inbox => {
-                        seq.min(self.inbox_heads.get(&user).copied().unwrap_or(0))
-                    }
-                    CursorChain::Conversation(c) if self.absent.contains(c) => {
-                        return Ok(Reply::Done);
-                    }
-                    CursorChain::Conversation(c) => {
-                        self.conversations.get(c).map_or(seq, |c| seq.min(c.seq))
-                    }
+                // conversation not cached is not saved: a client acknowledges what it was
+                // pushed, which is cached then, and an ack can name any id (a row for each
+                // would be anyone's to make). Not saving one only has the device get some
+                // messages again when it resumes.
+                let newest = match &chain {
+                    CursorChain::Inbox => self.inbox_heads.get(&user).copied(),
+                    CursorChain::Conversation(c) => self.conversations.get(c).map(|c| c.seq),
                 };
-                ch.cursors.push((user, device, chain.key().to_owned(), seq));
+                if let Some(newest) = newest {
+                    ch.cursors
+                        .push((user, device, chain.key().to_owned(), seq.min(newest)));
+                }
                 Ok(Reply::Done)
             }
             Command::Flush => Ok(Reply::Done),

@@ -403,8 +403,8 @@ fn only_keys_the_store_may_hold_are_looked_up() {
 }
 
 /// An acknowledged position is saved up to the chain's newest seq: an inbox's head, a
-/// cached conversation's seq (a former member's too); a conversation known not to exist is
-/// not saved, and one not cached is saved as given (nothing is loaded for an ack).
+/// cached conversation's seq; a conversation known not to exist, or not cached, is not
+/// saved (nothing is loaded for an ack, which can name any id).
 #[test]
 fn acknowledged_positions_are_clamped_to_the_newest_seq() {
     let mut e = engine(3, 500);
@@ -427,7 +427,7 @@ fn acknowledged_positions_are_clamped_to_the_newest_seq() {
         advance(CursorChain::Inbox, 1_000),
         advance(CursorChain::Conversation(g.clone()), 1_000),
         advance(CursorChain::Conversation(missing), 5),
-        advance(CursorChain::Conversation(uncached.clone()), 7),
+        advance(CursorChain::Conversation(uncached), 7),
     ] {
         assert!(e.needs(std::slice::from_ref(&cmd)).conversations.is_empty());
         e.apply(cmd, T0, &mut saved, &mut ev).unwrap();
@@ -437,8 +437,28 @@ fn acknowledged_positions_are_clamped_to_the_newest_seq() {
         saved.cursors,
         vec![
             (uid(2), device.clone(), "user".to_owned(), head),
-            (uid(2), device.clone(), g.as_str().to_owned(), g_seq),
-            (uid(2), device, uncached.as_str().to_owned(), 7),
+            (uid(2), device, g.as_str().to_owned(), g_seq),
         ]
     );
+}
+
+/// The store answers an inbox head for every user asked about; the engine keeps heads only
+/// of users that exist, so an invitation of made-up ids does not grow its map.
+#[test]
+fn inbox_heads_are_kept_only_for_users_that_exist() {
+    let mut e = engine(2, 500);
+    let made_up: HashSet<UserId> = (1_000..1_100).map(uid).collect();
+    let needs = Needs {
+        users: made_up.clone(),
+        ..Needs::default()
+    };
+    e.absorb(
+        Loaded {
+            inbox_heads: made_up.iter().map(|u| (*u, 0)).collect(),
+            ..Loaded::default()
+        },
+        &needs,
+    );
+    assert!(made_up.iter().all(|u| !e.inbox_heads.contains_key(u)));
+    assert!(e.inbox_heads.contains_key(&uid(1)));
 }

@@ -1096,6 +1096,10 @@ impl Connection {
     }
 
     fn advance(&mut self, chain: &str, seq: u64) {
+        // Nothing to move (and no entry, which would stay unsaved in the map).
+        if seq == 0 {
+            return;
+        }
         let e = self.cursors.entry(chain.to_owned()).or_insert(0);
         if seq > *e {
             *e = seq;
