@@ -14,6 +14,7 @@ pub mod openapi;
 pub mod pipeline;
 pub mod protobuf;
 pub mod rooms;
+pub mod serve;
 pub mod server;
 pub mod webhook;
 pub mod ws;

@@ -140,12 +140,6 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         limits: crate::limits::RateLimits::new(send_rate),
     });
     let router = crate::api::router(app.clone());
-    // Pushes are small frames: without TCP_NODELAY, Nagle and delayed ACKs hold them ~40 ms.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-        }
-    });
     tokio::spawn(crate::rooms::run_flusher(
         app.rooms.clone(),
         app.shutdown.subscribe(),
@@ -168,18 +162,11 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
             }
         }
     });
-    let mut stop = app.shutdown.subscribe();
-    let serve = tokio::spawn(async move {
-        let graceful = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        if let Err(e) = axum::serve(listener, router)
-            .with_graceful_shutdown(graceful)
-            .await
-        {
-            tracing::error!(error = %e, "server stopped with an error");
-        }
-    });
+    let serve = tokio::spawn(crate::serve::serve(
+        listener,
+        router,
+        app.shutdown.subscribe(),
+    ));
     tracing::info!(%addr, "pigeon is listening");
     Ok(Running {
         app,

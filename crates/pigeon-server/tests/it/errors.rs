@@ -1067,3 +1067,33 @@ async fn a_connection_saves_past_1024_acked_chains_and_types_in_at_most_256() {
     assert_eq!(last["code"], "rate_limited", "{last}");
     assert!(last["retry_after_ms"].as_u64().is_some(), "{last}");
 }
+
+/// A client cannot hold a connection with a request it never finishes: a request head not
+/// complete within 30 s ends the connection (the server stops reading and closes it),
+/// while the server answers everyone else meanwhile.
+#[tokio::test]
+async fn a_half_sent_request_head_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = spawn_server().await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    tcp.write_all(b"GET /healthz HTTP/1.1\r\nHost: pigeon\r\nX-Slow: ")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    // Others are served meanwhile.
+    s.anon().get("/healthz").await.unwrap();
+    let mut buf = [0u8; 1024];
+    let read = tokio::time::timeout(Duration::from_secs(60), tcp.read(&mut buf))
+        .await
+        .expect("the connection is ended, not left open");
+    // Closed (0 bytes, or reset), possibly after a 408 answer: never a 200.
+    if let Ok(n) = read {
+        let answered = String::from_utf8_lossy(&buf[..n]);
+        assert!(!answered.contains(" 200 "), "{answered}");
+    }
+    assert!(
+        started.elapsed() >= Duration::from_secs(20),
+        "not cut off at once"
+    );
+}

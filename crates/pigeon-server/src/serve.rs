@@ -1,0 +1,77 @@
+//! Serves the router over HTTP/1.1, WebSocket upgrades included, as `axum::serve` does, with
+//! what that leaves unset: a timer, so that a request's head must arrive within
+//! [`HEADER_READ_TIMEOUT`]. `axum::serve` gives hyper no timer, and hyper's header timeout
+//! then never fires: a client could hold a connection, and the buffers of its half-sent
+//! request, for ever (a review held 560 MB with a thousand of them).
+
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// How long a client may take to send a request's head (the request line and headers),
+/// counted from its first byte, or, on a kept-alive connection, from the end of the answer
+/// before: so also how long an idle kept-alive connection stays open. Hyper's own default
+/// (nginx waits 60 s for a head, and keeps idle connections 75 s).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Accepts until `stop` turns true, then lets every open connection finish its request in
+/// flight (hyper's graceful shutdown) and returns once all have closed. Upgraded
+/// connections (WebSocket) are the WebSocket tasks' own by then, and end on the same signal.
+pub async fn serve(listener: TcpListener, router: Router, mut stop: watch::Receiver<bool>) {
+    // Every connection task holds a receiver: once all are dropped, all have closed.
+    let (open_tx, open_rx) = watch::channel(());
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                // Out of file descriptors, or the like: as axum::serve, wait a moment.
+                tracing::warn!(error = %e, "cannot accept a connection");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Pushes are small frames: without TCP_NODELAY, Nagle and delayed ACKs hold them
+        // ~40 ms.
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+        let service = TowerToHyperService::new(router.clone());
+        let (mut stop, open) = (stop.clone(), open_rx.clone());
+        tokio::spawn(async move {
+            let mut builder = http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            let conn = builder
+                .serve_connection(TokioIo::new(tcp), service)
+                .with_upgrades();
+            tokio::pin!(conn);
+            let mut stopping = false;
+            loop {
+                tokio::select! {
+                    result = conn.as_mut() => {
+                        if let Err(e) = result {
+                            tracing::trace!(error = %e, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    _ = stop.wait_for(|s| *s), if !stopping => {
+                        stopping = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+            drop(open);
+        });
+    }
+    drop(open_rx);
+    open_tx.closed().await;
+}
