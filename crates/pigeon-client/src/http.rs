@@ -49,7 +49,12 @@ impl Http {
         Http {
             base: base.into().trim_end_matches('/').to_owned(),
             bearer: None,
-            client: reqwest::Client::new(),
+            // A pooled connection is let go before the server closes it as idle (after 30 s),
+            // so a request never races that close.
+            client: reqwest::Client::builder()
+                .pool_idle_timeout(std::time::Duration::from_secs(25))
+                .build()
+                .expect("a client with only a pool setting builds"),
         }
     }
 

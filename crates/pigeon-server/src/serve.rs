@@ -13,10 +13,13 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 /// How long a client may take to send a request's head (the request line and headers),
-/// counted from its first byte, or, on a kept-alive connection, from the end of the answer
-/// before: so also how long an idle kept-alive connection stays open. Hyper's own default
-/// (nginx waits 60 s for a head, and keeps idle connections 75 s).
+/// counted from the connection's accept, or, on a kept-alive connection, from the end of
+/// the answer before: so also how long an idle kept-alive connection stays open. Hyper's
+/// own default (nginx waits 60 s for a head, and keeps idle connections 75 s).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most a connection buffers of a request head (hyper's default is ~400 KiB): Pigeon's
+/// heads are small, and slow heads should not each hold that much.
+const MAX_HEAD_BUFFER: usize = 64 * 1024;
 
 /// Accepts until `stop` turns true, then lets every open connection finish its request in
 /// flight (hyper's graceful shutdown) and returns once all have closed. Upgraded
@@ -26,15 +29,19 @@ pub async fn serve(listener: TcpListener, router: Router, mut stop: watch::Recei
     let (open_tx, open_rx) = watch::channel(());
     loop {
         let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
+            biased;
             _ = stop.wait_for(|s| *s) => break,
+            accepted = listener.accept() => accepted,
         };
         let tcp = match accepted {
             Ok((tcp, _)) => tcp,
+            // The client went before it was accepted: nothing to wait for.
+            Err(e) if is_connection_error(&e) => continue,
             Err(e) => {
-                // Out of file descriptors, or the like: as axum::serve, wait a moment.
-                tracing::warn!(error = %e, "cannot accept a connection");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // Out of file descriptors, or the like: as axum::serve, wait, so the loop
+                // does not spin (and fill the log) until some are given back.
+                tracing::error!(error = %e, "cannot accept a connection");
+                tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             }
         };
@@ -49,7 +56,8 @@ pub async fn serve(listener: TcpListener, router: Router, mut stop: watch::Recei
             let mut builder = http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT);
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .max_buf_size(MAX_HEAD_BUFFER);
             let conn = builder
                 .serve_connection(TokioIo::new(tcp), service)
                 .with_upgrades();
@@ -72,6 +80,18 @@ pub async fn serve(listener: TcpListener, router: Router, mut stop: watch::Recei
             drop(open);
         });
     }
+    // New clients are refused from here on, not left in the backlog while the open
+    // connections finish.
+    drop(listener);
     drop(open_rx);
     open_tx.closed().await;
+}
+
+/// An accept error that is the client's going, not the server's trouble (as axum::serve).
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+    )
 }

@@ -314,7 +314,7 @@ impl<'a> Writer<'a> {
             tokio::select! {
                 biased;
                 _ = kill.killed() => break self.stop_for_kill(conn).await,
-                _ = self.shutdown.changed() => break Stop::Close(1001, "server shutting down"),
+                () = shutdown_begun(self.shutdown) => break Stop::Close(1001, "server shutting down"),
                 () = &mut barrier => return Ok(()),
                 out = self.out_rx.recv() => {
                     let write = async {
@@ -342,6 +342,12 @@ impl<'a> Writer<'a> {
             _ => Stop::Close(1013, "too slow; reconnect and sync"),
         }
     }
+}
+
+/// Completes once the server's shutdown has begun, also when it began before this was asked
+/// (a connection upgraded after the signal was sent sees it too).
+async fn shutdown_begun(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|s| *s).await;
 }
 
 /// Runs a write to the socket (true when it went through): the connection ends when the
@@ -573,7 +579,8 @@ async fn run(
                 // Write what is queued (a `kicked` frame) before closing.
                 break Box::pin(Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec).stop_for_kill(&mut conn)).await;
             }
-            _ = shutdown.changed() => break Stop::Close(1001, "server shutting down"),
+            // Not `changed`: a connection upgraded after the shutdown began sees it too.
+            () = shutdown_begun(&mut shutdown) => break Stop::Close(1001, "server shutting down"),
             out = out_rx.recv() => {
                 let write = async {
                     feed_queued(&mut conn, &mut sink, &mut out_rx, codec, Some(out), COALESCE_MAX).await

@@ -322,6 +322,7 @@ pub async fn sync(
     let device = DeviceId::parse(HTTP_DEVICE).expect("a valid device id");
     // Register interest before looking, so that a message committed in between wakes us.
     let waiter = app.hub.waiter(me);
+    let mut shutdown = app.shutdown.subscribe();
     let result = async {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
         loop {
@@ -353,7 +354,13 @@ pub async fn sync(
                     "conversations": summary.conversations,
                 }));
             }
-            let _ = tokio::time::timeout_at(deadline, notified).await;
+            // A shutdown answers at once too: the server gives requests in flight only a
+            // few seconds to finish.
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                _ = notified => {}
+                _ = shutdown.wait_for(|s| *s) => {}
+            }
         }
     }
     .await;

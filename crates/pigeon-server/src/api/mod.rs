@@ -94,6 +94,11 @@ pub fn router(app: AppRef) -> Router {
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // A body must come within as long as a head may (`serve::HEADER_READ_TIMEOUT`): a
+        // client cannot hold a handler with a half-sent body either.
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            crate::serve::HEADER_READ_TIMEOUT,
+        ))
         .layer(catch_panics())
         .with_state(app)
 }

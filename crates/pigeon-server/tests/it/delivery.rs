@@ -1118,3 +1118,33 @@ async fn a_user_holds_at_most_8_long_polls_at_once() {
         assert_eq!(r["items"].as_array().unwrap().len(), 1, "{r}");
     }
 }
+
+/// A graceful shutdown answers a waiting long poll at once (the server gives requests in
+/// flight only seconds to finish, the poll could wait 30), and refuses new connections
+/// from the moment it stops accepting.
+#[tokio::test]
+async fn a_shutdown_answers_waiting_long_polls_and_refuses_new_connections() {
+    let mut s = spawn_server().await;
+    let bob = s.user(672).await;
+    let waiting = tokio::spawn(async move { bob.get("/v1/sync?user_seq=0&wait_ms=30000").await });
+    let hub = s.running.as_ref().unwrap().app.hub.clone();
+    let user = pigeon_proto::UserId::new(672).unwrap();
+    while hub.long_polls_of(user) < 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let running = s.running.take().unwrap();
+    let started = std::time::Instant::now();
+    running.shutdown().await;
+    let answer = tokio::time::timeout(WAIT, waiting)
+        .await
+        .expect("the poll is answered")
+        .unwrap()
+        .expect("answered, not cut off");
+    assert_eq!(answer["items"], json!([]), "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "the shutdown did not wait for the poll's 30 s"
+    );
+    assert!(tokio::net::TcpStream::connect(&addr).await.is_err());
+}
