@@ -517,24 +517,28 @@ impl Hub {
         }
     }
 
-    /// The notifier a long poll of `user` waits on. Released when the guard drops, also
-    /// when the request is dropped mid-wait (the client went away).
-    pub fn waiter(self: &Arc<Self>, user: UserId) -> Waiter {
+    /// The notifier a long poll of `user` waits on, unless `at_most` polls of the user wait
+    /// already (counted and registered under one lock, so racing polls cannot all pass).
+    /// Released when the guard drops, also when the request is dropped mid-wait (the client
+    /// went away).
+    pub fn waiter(self: &Arc<Self>, user: UserId, at_most: usize) -> Option<Waiter> {
+        let state = {
+            let mut waiters = self.waiters.lock().expect("waiters lock");
+            let state = waiters.entry(user).or_default();
+            // The map holds one reference; each waiting poll another.
+            if Arc::strong_count(state) > at_most {
+                return None;
+            }
+            state.clone()
+        };
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        let state = self
-            .waiters
-            .lock()
-            .expect("waiters lock")
-            .entry(user)
-            .or_default()
-            .clone();
         let group_messages_at_start = state.group_messages.load(Ordering::SeqCst);
-        Waiter {
+        Some(Waiter {
             hub: self.clone(),
             user,
             state: Some(state),
             group_messages_at_start,
-        }
+        })
     }
 
     /// How many long polls of `user` are waiting.
@@ -700,8 +704,8 @@ mod tests {
     async fn a_long_poll_dropped_mid_wait_releases_its_interest() {
         let hub = Arc::new(Hub::default());
         let user = UserId::new(7).unwrap();
-        let first = hub.waiter(user);
-        let second = hub.waiter(user);
+        let first = hub.waiter(user, usize::MAX).unwrap();
+        let second = hub.waiter(user, usize::MAX).unwrap();
         // The request is dropped while it waits (the client went away).
         let waiting = tokio::spawn(async move {
             second.notify().notified().await;

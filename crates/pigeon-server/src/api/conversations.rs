@@ -309,19 +309,23 @@ pub async fn sync(
     }
     let limit = limit.min(PULL_MAX) as u32;
     let after = q.user_seq.unwrap_or(0);
+    let device = DeviceId::parse(HTTP_DEVICE).expect("a valid device id");
+    // Register interest before looking, so that a message committed in between wakes us.
     // Each waiting poll is woken, and answers with a whole sync, by every message to the
     // user: a few at once are plenty for one user's devices.
-    if wait_ms > 0 && app.hub.long_polls_of(me) >= MAX_LONG_POLLS_PER_USER {
+    let at_most = if wait_ms > 0 {
+        MAX_LONG_POLLS_PER_USER
+    } else {
+        usize::MAX
+    };
+    let Some(waiter) = app.hub.waiter(me, at_most) else {
         let mut e = ApiError::new(
             ErrorCode::RateLimited,
             format!("at most {MAX_LONG_POLLS_PER_USER} long polls at once per user"),
         );
         e.retry_after_ms = Some(1_000);
         return Err(e);
-    }
-    let device = DeviceId::parse(HTTP_DEVICE).expect("a valid device id");
-    // Register interest before looking, so that a message committed in between wakes us.
-    let waiter = app.hub.waiter(me);
+    };
     let mut shutdown = app.shutdown.subscribe();
     let result = async {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);

@@ -1074,49 +1074,60 @@ async fn a_client_that_stops_reading_is_closed() {
 }
 
 /// A user holds at most 8 long polls at once: each is woken, and answers with a whole sync,
-/// by every message to them. The ninth answers `rate_limited` with a hint; a poll that does
-/// not wait (`wait_ms=0`) is always answered.
+/// by every message to them. Of 20 sent together exactly 8 wait (counted and registered
+/// under one lock, so racing polls cannot all pass) and 12 answer `rate_limited` with a
+/// hint; a poll that does not wait (`wait_ms=0`) is always answered.
 #[tokio::test]
 async fn a_user_holds_at_most_8_long_polls_at_once() {
     let s = spawn_server().await;
     let bob = s.user(662).await;
-    let mut waiting = Vec::new();
-    for _ in 0..8 {
-        let bob = bob.clone();
-        waiting.push(tokio::spawn(async move {
-            bob.get("/v1/sync?wait_ms=20000").await
-        }));
-    }
-    let hub = &s.running.as_ref().unwrap().app.hub;
-    let user = pigeon_proto::UserId::new(662).unwrap();
-    while hub.long_polls_of(user) < 8 {
+    let polls: Vec<_> = (0..20)
+        .map(|_| {
+            let bob = bob.clone();
+            tokio::spawn(async move {
+                bob.raw(reqwest::Method::GET, "/v1/sync?wait_ms=20000", None)
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + WAIT;
+    while polls.iter().filter(|p| p.is_finished()).count() < 12 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "12 are refused at once"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (status, body) = bob
-        .raw(reqwest::Method::GET, "/v1/sync?wait_ms=20000", None)
-        .await
-        .unwrap();
-    assert_eq!(
-        (status, body["code"].as_str()),
-        (429, Some("rate_limited")),
-        "{body}"
-    );
-    assert!(body["retry_after_ms"].as_u64().is_some(), "{body}");
     assert!(bob.get("/v1/sync?wait_ms=0").await.is_ok());
+    let hub = &s.running.as_ref().unwrap().app.hub;
+    assert_eq!(
+        hub.long_polls_of(pigeon_proto::UserId::new(662).unwrap()),
+        8
+    );
     // A message ends the eight.
     s.user(661)
         .await
         .post("/v1/messages", &text_to_user("poll", 662, "wake"))
         .await
         .unwrap();
-    for w in waiting {
-        let r = tokio::time::timeout(WAIT, w)
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        assert_eq!(r["items"].as_array().unwrap().len(), 1, "{r}");
+    let (mut answered, mut refused) = (0, 0);
+    for p in polls {
+        let (status, body) = tokio::time::timeout(WAIT, p).await.unwrap().unwrap();
+        match status {
+            200 => {
+                assert_eq!(body["items"].as_array().unwrap().len(), 1, "{body}");
+                answered += 1;
+            }
+            429 => {
+                assert_eq!(body["code"], "rate_limited", "{body}");
+                assert!(body["retry_after_ms"].as_u64().is_some(), "{body}");
+                refused += 1;
+            }
+            other => panic!("{other}: {body}"),
+        }
     }
+    assert_eq!((answered, refused), (8, 12));
 }
 
 /// A graceful shutdown answers a waiting long poll at once (the server gives requests in
