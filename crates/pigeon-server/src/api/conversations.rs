@@ -1,7 +1,7 @@
 //! Conversations over HTTP: the list, one conversation, history pages, read marks, receipts,
 //! settings, unread counts, and the long-polling pull-mode sync.
 
-use super::{ApiJson, ApiPath, ApiQuery, AuthUser, run_then_view};
+use super::{ApiJson, ApiPath, ApiQuery, AuthUser, WritingUser, run_then_view};
 use crate::app::{AppRef, PULL_MAX, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
@@ -182,12 +182,11 @@ pub struct ReadBody {
 }
 
 pub async fn read(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<ReadBody>,
 ) -> ApiResult<Json<Value>> {
-    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     let reply = app
         .pipeline
@@ -235,12 +234,11 @@ pub struct SettingsBody {
 }
 
 pub async fn settings(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<SettingsBody>,
 ) -> ApiResult<Json<ConversationView>> {
-    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     if b.pinned.is_none() && b.muted.is_none() && b.hidden.is_none() {
         return Err(ApiError::invalid("give any of pinned, muted, hidden"));

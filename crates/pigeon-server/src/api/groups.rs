@@ -1,7 +1,7 @@
 //! Group management over HTTP. Every change goes through the pipeline, which checks who may
 //! make it and appends the command message that tells every member.
 
-use super::{ApiJson, ApiPath, ApiQuery, AuthUser, path_user, run, run_then_view};
+use super::{ApiJson, ApiPath, ApiQuery, AuthUser, WritingUser, path_user, run, run_then_view};
 use crate::app::{AppRef, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
@@ -22,11 +22,10 @@ pub struct CreateBody {
 }
 
 pub async fn create(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiJson(b): ApiJson<CreateBody>,
 ) -> ApiResult<Json<ConversationView>> {
-    app.limits.check_send(me)?;
     if b.members.len() > rules::MAX_USERS_PER_REQUEST {
         return Err(ApiError::invalid(format!(
             "at most {} members at creation",
@@ -58,12 +57,11 @@ pub struct UpdateBody {
 }
 
 pub async fn update(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<UpdateBody>,
 ) -> ApiResult<Json<ConversationView>> {
-    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     if let Some(n) = &b.name {
         rules::validate_text_field("name", n, rules::MAX_GROUP_NAME_CHARS)?;
@@ -98,12 +96,11 @@ pub struct InviteBody {
 }
 
 pub async fn invite(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<InviteBody>,
 ) -> ApiResult<Json<ConversationView>> {
-    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     // Before the pipeline loads every one of them.
     rules::validate_invitees(&b.user_ids)?;
@@ -121,11 +118,10 @@ pub async fn invite(
 }
 
 pub async fn remove(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
-    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
     run(
@@ -161,20 +157,18 @@ async fn set_admin(
 }
 
 pub async fn add_admin(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
-    app.limits.check_send(me)?;
     set_admin(app, me, id, uid, true).await
 }
 
 pub async fn remove_admin(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
-    app.limits.check_send(me)?;
     set_admin(app, me, id, uid, false).await
 }
 
@@ -185,12 +179,11 @@ pub struct MuteBody {
 }
 
 pub async fn mute(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<MuteBody>,
 ) -> ApiResult<Json<Value>> {
-    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     run(
         &app,
@@ -205,11 +198,10 @@ pub async fn mute(
 }
 
 pub async fn unmute(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath((id, uid)): ApiPath<(String, String)>,
 ) -> ApiResult<Json<Value>> {
-    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     let user = path_user(&uid)?;
     run(
@@ -224,11 +216,10 @@ pub async fn unmute(
 }
 
 pub async fn dismiss(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Value>> {
-    app.limits.check_send(me)?;
     let conv = parse_conversation(&id)?;
     run(
         &app,

@@ -1,6 +1,6 @@
 //! Sending, recalling, editing and deleting-for-me over HTTP.
 
-use super::{ApiJson, ApiPath, AuthUser, path_msg_id};
+use super::{ApiJson, ApiPath, AuthUser, WritingUser, path_msg_id};
 use crate::app::AppRef;
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
@@ -13,11 +13,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 pub async fn send(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiJson(req): ApiJson<SendRequest>,
 ) -> ApiResult<Json<SendAck>> {
-    app.limits.check_send(me)?;
     let cmd = validate_send(me, req, app.limits())?;
     match app.pipeline.call(Command::Send(cmd)).await? {
         Reply::SendAck(ack) => Ok(Json(ack)),
@@ -42,11 +41,10 @@ fn expect_message(reply: Reply) -> ApiResult<Json<Message>> {
 }
 
 pub async fn recall(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Message>> {
-    app.limits.check_send(me)?;
     let msg_id = path_msg_id(&id)?;
     expect_message(
         app.pipeline
@@ -61,12 +59,11 @@ pub struct EditBody {
 }
 
 pub async fn edit(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
     ApiJson(b): ApiJson<EditBody>,
 ) -> ApiResult<Json<Message>> {
-    app.limits.check_send(me)?;
     let msg_id = path_msg_id(&id)?;
     validate_edit_content(&b.content, app.limits())?;
     expect_message(
@@ -124,11 +121,10 @@ pub async fn versions(
 }
 
 pub async fn hide(
-    AuthUser(me): AuthUser,
+    WritingUser(me): WritingUser,
     State(app): State<AppRef>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Message>> {
-    app.limits.check_send(me)?;
     let msg_id = path_msg_id(&id)?;
     readable_message(&app, me, msg_id).await?;
     app.pipeline

@@ -138,6 +138,22 @@ impl FromRequestParts<AppRef> for AuthUser {
     }
 }
 
+/// The authenticated user of a request that writes (a send, or any change that appends to
+/// a chain or tells other members): one write is taken from their allowance
+/// (`RateLimits::check_send`) before the body is read, so no write is a way around the send
+/// limit.
+pub struct WritingUser(pub UserId);
+
+impl FromRequestParts<AppRef> for WritingUser {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
+        let AuthUser(me) = AuthUser::from_request_parts(parts, app).await?;
+        app.limits.check_send(me)?;
+        Ok(WritingUser(me))
+    }
+}
+
 /// A request made with the admin key.
 pub struct Admin;
 

@@ -88,6 +88,15 @@ async fn trio(s: &TestServer) -> Trio {
     }
 }
 
+/// The roles of a trio's group as `trio` made it: alice owns it, bob and carol are members.
+fn trio_roles() -> Vec<(u64, String)> {
+    vec![
+        (111, "owner".into()),
+        (222, "member".into()),
+        (333, "member".into()),
+    ]
+}
+
 /// Connects one WebSocket per token, in order, as devices "a", "b" and "c".
 async fn connect_abc(s: &TestServer, tokens: &[String; 3]) -> (WsConn, WsConn, WsConn) {
     let a = s.ws(&tokens[0], "a").await;
@@ -245,14 +254,7 @@ async fn any_member_invites_and_every_member_hears_of_it() {
         ),
         "not_found"
     );
-    assert_eq!(
-        roles(&alice, &id).await,
-        vec![
-            (111, "owner".into()),
-            (222, "member".into()),
-            (333, "member".into())
-        ]
-    );
+    assert_eq!(roles(&alice, &id).await, trio_roles());
 
     // The newcomer takes part like anyone else.
     let ack = carol
@@ -1281,14 +1283,7 @@ async fn group_endpoints_answer_a_stranger_not_member_and_a_missing_group_not_fo
     // Nothing was changed anywhere.
     assert_eq!(newest_seq(&alice, &id).await, 1);
     assert_eq!(newest_seq(&bob, "222-333").await, 1);
-    assert_eq!(
-        roles(&alice, &id).await,
-        vec![
-            (111, "owner".into()),
-            (222, "member".into()),
-            (333, "member".into())
-        ]
-    );
+    assert_eq!(roles(&alice, &id).await, trio_roles());
 }
 
 /// An invitation names 1 to 1000 users: none, or more (here ids that do not even exist,
