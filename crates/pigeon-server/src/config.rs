@@ -60,6 +60,9 @@ pub struct ServeArgs {
     /// Most WebSocket connections held at once [default: 100000]
     #[arg(long, env = "PIGEON_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// Most TCP connections open at once, HTTP and WebSocket; past it new clients wait to be accepted until one closes [default: the open-file limit less 512, kept for the store]
+    #[arg(long, env = "PIGEON_MAX_OPEN_CONNECTIONS")]
+    pub max_open_connections: Option<usize>,
     /// Most WebSocket connections one user may hold at once, over all their devices; one more is refused with 429 `rate_limited` [default: 100]
     #[arg(long, env = "PIGEON_MAX_CONNECTIONS_PER_USER")]
     pub max_connections_per_user: Option<usize>,
@@ -137,6 +140,8 @@ struct FileConfig {
     journal_backlog_kib: Option<usize>,
     #[serde(alias = "max-connections")]
     max_connections: Option<usize>,
+    #[serde(alias = "max-open-connections")]
+    max_open_connections: Option<usize>,
     #[serde(alias = "max-connections-per-user")]
     max_connections_per_user: Option<usize>,
     #[serde(alias = "max-token-ttl-secs")]
@@ -164,6 +169,8 @@ pub struct Config {
     pub durability: DurabilityMode,
     pub journal_backlog_kib: usize,
     pub max_connections: usize,
+    /// `None`: what the open-file limit leaves (`open_files::connections_for`).
+    pub max_open_connections: Option<usize>,
     pub max_connections_per_user: usize,
     pub max_token_ttl_secs: u64,
     pub offline_webhook_url: Option<String>,
@@ -186,6 +193,7 @@ impl Default for Config {
             durability: DurabilityMode::Fsync,
             journal_backlog_kib: pigeon_store_sqlite::DEFAULT_BACKLOG_BYTES / 1024,
             max_connections: 100_000,
+            max_open_connections: None,
             max_connections_per_user: 100,
             max_token_ttl_secs: 365 * 86_400,
             offline_webhook_url: None,
@@ -270,6 +278,7 @@ impl Config {
                 .max_connections
                 .or(file.max_connections)
                 .unwrap_or(d.max_connections),
+            max_open_connections: args.max_open_connections.or(file.max_open_connections),
             max_connections_per_user: args
                 .max_connections_per_user
                 .or(file.max_connections_per_user)
@@ -318,6 +327,9 @@ impl Config {
         }
         if self.max_connections == 0 {
             return invalid("max-connections must be at least 1");
+        }
+        if self.max_open_connections == Some(0) {
+            return invalid("max-open-connections must be at least 1");
         }
         if self.max_connections_per_user == 0 {
             return invalid("max-connections-per-user must be at least 1");

@@ -10,6 +10,7 @@ pub mod error;
 pub mod hub;
 pub mod lag;
 pub mod limits;
+pub mod open_files;
 pub mod openapi;
 pub mod pipeline;
 pub mod protobuf;

@@ -2,15 +2,23 @@
 //! what that leaves unset: a timer, so that a request's head must arrive within
 //! [`HEADER_READ_TIMEOUT`]. `axum::serve` gives hyper no timer, and hyper's header timeout
 //! then never fires: a client could hold a connection, and the buffers of its half-sent
-//! request, for ever (a review held 560 MB with a thousand of them).
+//! request, for ever (a review held 560 MB with a thousand of them). And a bound on the
+//! connections open at once (`max-open-connections`, see `open_files.rs`): past it, new
+//! clients wait in the listen backlog until one closes, instead of the sockets taking the
+//! file descriptors the store needs.
 
 use axum::Router;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use std::time::Duration;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
 /// How long a client may take to send a request's head (the request line and headers),
 /// counted from the connection's accept, or, on a kept-alive connection, from the end of
@@ -20,14 +28,43 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// The most a connection buffers of a request head (hyper's default is ~400 KiB): Pigeon's
 /// heads are small, and slow heads should not each hold that much.
 const MAX_HEAD_BUFFER: usize = 64 * 1024;
+/// How often a server whose connection places are all taken says so in its log.
+const FULL_WARNING_EVERY: Duration = Duration::from_secs(60);
 
 /// Accepts until `stop` turns true, then lets every open connection finish its request in
 /// flight (hyper's graceful shutdown) and returns once all have closed. Upgraded
 /// connections (WebSocket) are the WebSocket tasks' own by then, and end on the same signal.
-pub async fn serve(listener: TcpListener, router: Router, mut stop: watch::Receiver<bool>) {
+/// At most `max_open` connections are open at once, upgraded ones included: each socket
+/// holds its place until it closes.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    max_open: usize,
+    mut stop: watch::Receiver<bool>,
+) {
     // Every connection task holds a receiver: once all are dropped, all have closed.
     let (open_tx, open_rx) = watch::channel(());
+    let places = Arc::new(Semaphore::new(max_open.min(Semaphore::MAX_PERMITS)));
+    let mut warned_full: Option<Instant> = None;
     loop {
+        let place = match places.clone().try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                if warned_full.is_none_or(|at| at.elapsed() >= FULL_WARNING_EVERY) {
+                    warned_full = Some(Instant::now());
+                    tracing::warn!(
+                        max_open_connections = max_open,
+                        "every connection place is taken: new clients wait to be accepted \
+                         until a connection closes (see --max-open-connections)"
+                    );
+                }
+                tokio::select! {
+                    biased;
+                    _ = stop.wait_for(|s| *s) => break,
+                    place = places.clone().acquire_owned() => place.expect("the semaphore is never closed"),
+                }
+            }
+        };
         let accepted = tokio::select! {
             biased;
             _ = stop.wait_for(|s| *s) => break,
@@ -59,7 +96,7 @@ pub async fn serve(listener: TcpListener, router: Router, mut stop: watch::Recei
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .max_buf_size(MAX_HEAD_BUFFER);
             let conn = builder
-                .serve_connection(TokioIo::new(tcp), service)
+                .serve_connection(TokioIo::new(Placed { tcp, _place: place }), service)
                 .with_upgrades();
             tokio::pin!(conn);
             let mut stopping = false;
@@ -87,8 +124,55 @@ pub async fn serve(listener: TcpListener, router: Router, mut stop: watch::Recei
     open_tx.closed().await;
 }
 
+/// A socket with its place among the connections open at once: the place is given back as
+/// the socket closes, also when a WebSocket upgrade has taken the socket over.
+struct Placed {
+    tcp: TcpStream,
+    _place: OwnedSemaphorePermit,
+}
+
+impl AsyncRead for Placed {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Placed {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
 /// An accept error that is the client's going, not the server's trouble (as axum::serve).
-fn is_connection_error(e: &std::io::Error) -> bool {
+fn is_connection_error(e: &io::Error) -> bool {
     use std::io::ErrorKind;
     matches!(
         e.kind(),

@@ -162,12 +162,24 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
             }
         }
     });
+    let open_files = crate::open_files::raise_limit();
+    let room = crate::open_files::connections_for(open_files);
+    let max_open = app.cfg.max_open_connections.unwrap_or(room);
+    if max_open > room {
+        tracing::warn!(
+            max_open_connections = max_open,
+            open_file_limit = open_files,
+            "max-open-connections is more than the open-file limit leaves the store: \
+             with that many connections, commits may fail for want of a file descriptor"
+        );
+    }
     let serve = tokio::spawn(crate::serve::serve(
         listener,
         router,
+        max_open,
         app.shutdown.subscribe(),
     ));
-    tracing::info!(%addr, "pigeon is listening");
+    tracing::info!(%addr, max_open_connections = max_open, "pigeon is listening");
     Ok(Running {
         app,
         addr,

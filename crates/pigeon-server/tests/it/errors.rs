@@ -697,6 +697,80 @@ async fn one_user_holds_at_most_the_connections_per_user_limit() {
     }
 }
 
+/// At most `max-open-connections` TCP connections are open at once, HTTP and WebSocket
+/// alike (PROTOCOL-EXTENSIONS.md): one more is left unanswered, waiting to be accepted,
+/// until one closes, and an upgraded WebSocket keeps its place until it closes. (The
+/// bound keeps sockets from taking the file descriptors the store needs.)
+#[tokio::test]
+async fn connections_past_the_open_limit_wait_until_one_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    /// Asks for /healthz on a kept-alive connection.
+    async fn ask(tcp: &mut TcpStream) {
+        tcp.write_all(b"GET /healthz HTTP/1.1\r\nhost: pigeon\r\n\r\n")
+            .await
+            .unwrap();
+    }
+    /// The head of the answer, if one comes within `wait`.
+    async fn answer(tcp: &mut TcpStream, wait: Duration) -> Option<String> {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        tokio::time::timeout(wait, async {
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = tcp.read(&mut buf).await.unwrap();
+                assert_ne!(n, 0, "closed unanswered");
+                got.extend_from_slice(&buf[..n]);
+            }
+        })
+        .await
+        .ok()?;
+        Some(String::from_utf8_lossy(&got).into_owned())
+    }
+    let s = spawn_with(|c| c.max_open_connections = Some(2)).await;
+    // The token through a client of its own, whose pooled connection closes with it.
+    let token = {
+        let admin = pigeon_client::Http::new(s.base.clone()).with_bearer(ADMIN_KEY);
+        admin.upsert_user(111, "user111").await.unwrap();
+        admin.mint_token(111, 3600).await.unwrap()
+    };
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    // Accepted in the order they came: the first place, then the second.
+    let mut first = TcpStream::connect(&addr).await.unwrap();
+    let ws = s.ws(&token, "phone").await;
+    ask(&mut first).await;
+    assert!(
+        answer(&mut first, WAIT)
+            .await
+            .unwrap()
+            .starts_with("HTTP/1.1 200")
+    );
+    let mut third = TcpStream::connect(&addr).await.unwrap();
+    ask(&mut third).await;
+    assert_eq!(
+        answer(&mut third, Duration::from_millis(500)).await,
+        None,
+        "a third connection is served while two are open"
+    );
+    drop(first);
+    let head = answer(&mut third, WAIT)
+        .await
+        .expect("served once one closed");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // The WebSocket, upgraded, still holds its place beside the third.
+    let mut fourth = TcpStream::connect(&addr).await.unwrap();
+    ask(&mut fourth).await;
+    assert_eq!(
+        answer(&mut fourth, Duration::from_millis(500)).await,
+        None,
+        "an upgraded connection gave its place back while open"
+    );
+    drop(ws);
+    let head = answer(&mut fourth, WAIT)
+        .await
+        .expect("served once the WebSocket closed");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+}
+
 /// PROTOCOL.md 5: "A frame over 1 MiB gets `payload_too_large`": a binary one on a
 /// `pigeon.v1.json` connection (the default) too, rather than `invalid_argument` for its
 /// being binary, and the connection stays.

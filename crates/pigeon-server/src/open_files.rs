@@ -1,0 +1,98 @@
+//! The process's open-file limit, and how many connections it leaves room for. Every socket
+//! is a file descriptor, and so are the store's files: a journal segment opened when the
+//! last one is full, SQLite's temporary files. A server that let sockets take every
+//! descriptor would refuse commits (no next segment) to the clients it already serves, so
+//! connections get what the limit leaves after [`RESERVED_FOR_THE_STORE`].
+
+/// Descriptors kept back from connections: the store (journal segments, the tables, the
+/// WAL and its index, a few read connections, SQLite's temporary files), the offline
+/// webhook's client, the log, with room to spare.
+pub const RESERVED_FOR_THE_STORE: u64 = 512;
+
+/// The fewest connections a server offers, however low its limit (it then may run out of
+/// descriptors, and says so in its log, rather than serve no one).
+const MIN_CONNECTIONS: u64 = 16;
+
+/// Raises the soft open-file limit to the hard one, as Go's runtime does at start (the
+/// soft limit is often 1 024, far below what a chat server holds), and answers the soft
+/// limit in force; `None` where it cannot be read.
+#[cfg(unix)]
+#[allow(unsafe_code)]
+pub fn raise_limit() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` through the pointer, which points at `lim`, a
+    // valid, initialised, exclusively borrowed value that outlives the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return None;
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit only reads the `rlimit` behind the pointer, `raised`, a valid
+        // initialised value that outlives the call; it changes a limit of this process and
+        // no memory.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    // RLIM_INFINITY is u64::MAX: as good as no limit. (`rlim_t` is u64 on Linux, not on
+    // every unix.)
+    #[allow(clippy::unnecessary_cast)]
+    Some(lim.rlim_cur as u64)
+}
+
+#[cfg(not(unix))]
+pub fn raise_limit() -> Option<u64> {
+    None
+}
+
+/// The connections a limit of `open_files` descriptors leaves room for (see the module
+/// documentation); `usize::MAX`, no bound of its own, where the limit is unknown.
+pub fn connections_for(open_files: Option<u64>) -> usize {
+    match open_files {
+        Some(n) => usize::try_from(
+            n.saturating_sub(RESERVED_FOR_THE_STORE)
+                .max(MIN_CONNECTIONS),
+        )
+        .unwrap_or(usize::MAX),
+        None => usize::MAX,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_leave_the_store_its_descriptors() {
+        assert_eq!(connections_for(Some(20_000)), 19_488);
+        assert_eq!(connections_for(Some(1_024)), 512);
+        // A tiny limit still serves someone.
+        assert_eq!(connections_for(Some(100)), 16);
+        assert_eq!(connections_for(None), usize::MAX);
+        assert_eq!(connections_for(Some(u64::MAX)), usize::MAX - 512);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_soft_limit_is_raised_to_the_hard_one() {
+        let soft = raise_limit().expect("the limit is readable");
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: as in `raise_limit`: one `rlimit` written into `lim`, which outlives the call.
+        let r = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+        assert_eq!(r, 0);
+        #[allow(clippy::unnecessary_cast)]
+        let current = lim.rlim_cur as u64;
+        assert_eq!(soft, current);
+        assert_eq!(lim.rlim_cur, lim.rlim_max, "raised to the hard limit");
+    }
+}
