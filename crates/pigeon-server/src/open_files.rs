@@ -5,20 +5,19 @@
 //! connections get what the limit leaves after [`RESERVED_FOR_THE_STORE`].
 
 /// Descriptors kept back from connections: the store (journal segments, the tables, the
-/// WAL and its index, a few read connections, SQLite's temporary files), the offline
-/// webhook's client, the log, with room to spare.
+/// WAL and its index, up to `MAX_QUERIES_AT_ONCE` read connections and the engine's, SQLite's
+/// temporary files), the offline webhook's client, the log, with room to spare. A low limit
+/// keeps back a quarter of itself instead.
 pub const RESERVED_FOR_THE_STORE: u64 = 512;
 
-/// The fewest connections a server offers, however low its limit (it then may run out of
-/// descriptors, and says so in its log, rather than serve no one).
-const MIN_CONNECTIONS: u64 = 16;
-
 /// Raises the soft open-file limit to the hard one, as Go's runtime does at start (the
-/// soft limit is often 1 024, far below what a chat server holds), and answers the soft
-/// limit in force; `None` where it cannot be read.
+/// soft limit is often 1 024 or 256, far below what a chat server holds), and answers the
+/// soft limit in force; `None` where it cannot be read.
 #[cfg(unix)]
 #[allow(unsafe_code)]
 pub fn raise_limit() -> Option<u64> {
+    /// The most macOS lets a soft limit be (`OPEN_MAX`), whatever the hard limit says.
+    const MACOS_OPEN_MAX: libc::rlim_t = 10_240;
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -28,16 +27,21 @@ pub fn raise_limit() -> Option<u64> {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
         return None;
     }
-    if lim.rlim_cur < lim.rlim_max {
+    // The hard limit, or, where that is refused (macOS's is infinite), what macOS allows.
+    for want in [lim.rlim_max, lim.rlim_max.min(MACOS_OPEN_MAX)] {
+        if want <= lim.rlim_cur {
+            break;
+        }
         let raised = libc::rlimit {
-            rlim_cur: lim.rlim_max,
+            rlim_cur: want,
             rlim_max: lim.rlim_max,
         };
         // SAFETY: setrlimit only reads the `rlimit` behind the pointer, `raised`, a valid
         // initialised value that outlives the call; it changes a limit of this process and
         // no memory.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
-            lim.rlim_cur = lim.rlim_max;
+            lim.rlim_cur = want;
+            break;
         }
     }
     // RLIM_INFINITY is u64::MAX: as good as no limit. (`rlim_t` is u64 on Linux, not on
@@ -55,11 +59,10 @@ pub fn raise_limit() -> Option<u64> {
 /// documentation); `usize::MAX`, no bound of its own, where the limit is unknown.
 pub fn connections_for(open_files: Option<u64>) -> usize {
     match open_files {
-        Some(n) => usize::try_from(
-            n.saturating_sub(RESERVED_FOR_THE_STORE)
-                .max(MIN_CONNECTIONS),
-        )
-        .unwrap_or(usize::MAX),
+        Some(n) => {
+            let reserved = RESERVED_FOR_THE_STORE.min(n / 4);
+            usize::try_from(n - reserved).unwrap_or(usize::MAX)
+        }
         None => usize::MAX,
     }
 }
@@ -71,9 +74,10 @@ mod tests {
     #[test]
     fn connections_leave_the_store_its_descriptors() {
         assert_eq!(connections_for(Some(20_000)), 19_488);
-        assert_eq!(connections_for(Some(1_024)), 512);
-        // A tiny limit still serves someone.
-        assert_eq!(connections_for(Some(100)), 16);
+        assert_eq!(connections_for(Some(2_048)), 1_536);
+        // A low limit keeps a quarter back.
+        assert_eq!(connections_for(Some(1_024)), 768);
+        assert_eq!(connections_for(Some(256)), 192);
         assert_eq!(connections_for(None), usize::MAX);
         assert_eq!(connections_for(Some(u64::MAX)), usize::MAX - 512);
     }

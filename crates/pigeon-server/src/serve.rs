@@ -3,9 +3,11 @@
 //! [`HEADER_READ_TIMEOUT`]. `axum::serve` gives hyper no timer, and hyper's header timeout
 //! then never fires: a client could hold a connection, and the buffers of its half-sent
 //! request, for ever (a review held 560 MB with a thousand of them). And a bound on the
-//! connections open at once (`max-open-connections`, see `open_files.rs`): past it, new
-//! clients wait in the listen backlog until one closes, instead of the sockets taking the
-//! file descriptors the store needs.
+//! connections open at once (`max-open-connections`, see `open_files.rs`), so that sockets
+//! cannot take the file descriptors the store needs: past it a few more are accepted only
+//! to be answered 503 `unavailable` with a `retry_after_ms` (a client told to come back,
+//! rather than left waiting), and past those new clients wait in the listen backlog until
+//! a connection closes.
 
 use axum::Router;
 use hyper::server::conn::http1;
@@ -30,6 +32,19 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_HEAD_BUFFER: usize = 64 * 1024;
 /// How often a server whose connection places are all taken says so in its log.
 const FULL_WARNING_EVERY: Duration = Duration::from_secs(60);
+/// Connections accepted at once while every place is taken, only to be refused: each
+/// holds a descriptor of the store's reserve for at most [`REFUSAL_HEAD_TIMEOUT`].
+const REFUSING_AT_ONCE: usize = 32;
+/// How long a refused connection may take to send its request's head.
+const REFUSAL_HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+/// When a refused client is told to try again (as a user past their own connections is).
+const RETRY_AFTER_FULL_MS: u64 = 5_000;
+
+/// What an accepted connection's place lets it have.
+enum Place {
+    Served(OwnedSemaphorePermit),
+    Refused(OwnedSemaphorePermit),
+}
 
 /// Accepts until `stop` turns true, then lets every open connection finish its request in
 /// flight (hyper's graceful shutdown) and returns once all have closed. Upgraded
@@ -45,24 +60,29 @@ pub async fn serve(
     // Every connection task holds a receiver: once all are dropped, all have closed.
     let (open_tx, open_rx) = watch::channel(());
     let places = Arc::new(Semaphore::new(max_open.min(Semaphore::MAX_PERMITS)));
+    let refusing = Arc::new(Semaphore::new(REFUSING_AT_ONCE));
+    let refusal = Router::new().fallback(|| async { full() });
     let mut warned_full: Option<Instant> = None;
     loop {
-        let place = match places.clone().try_acquire_owned() {
-            Ok(place) => place,
-            Err(_) => {
-                if warned_full.is_none_or(|at| at.elapsed() >= FULL_WARNING_EVERY) {
-                    warned_full = Some(Instant::now());
-                    tracing::warn!(
-                        max_open_connections = max_open,
-                        "every connection place is taken: new clients wait to be accepted \
-                         until a connection closes (see --max-open-connections)"
-                    );
-                }
-                tokio::select! {
+        let place = if let Ok(place) = places.clone().try_acquire_owned() {
+            Place::Served(place)
+        } else {
+            if warned_full.is_none_or(|at| at.elapsed() >= FULL_WARNING_EVERY) {
+                warned_full = Some(Instant::now());
+                tracing::warn!(
+                    max_open_connections = max_open,
+                    "every connection place is taken: new clients are refused (503) or wait \
+                     to be accepted until a connection closes (see --max-open-connections)"
+                );
+            }
+            match refusing.clone().try_acquire_owned() {
+                Ok(place) => Place::Refused(place),
+                Err(_) => tokio::select! {
                     biased;
                     _ = stop.wait_for(|s| *s) => break,
-                    place = places.clone().acquire_owned() => place.expect("the semaphore is never closed"),
-                }
+                    place = places.clone().acquire_owned() => Place::Served(place.expect("never closed")),
+                    place = refusing.clone().acquire_owned() => Place::Refused(place.expect("never closed")),
+                },
             }
         };
         let accepted = tokio::select! {
@@ -87,6 +107,13 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
+        let place = match place {
+            Place::Served(place) => place,
+            Place::Refused(place) => {
+                tokio::spawn(refuse(Placed { tcp, _place: place }, refusal.clone()));
+                continue;
+            }
+        };
         let service = TowerToHyperService::new(router.clone());
         let (mut stop, open) = (stop.clone(), open_rx.clone());
         tokio::spawn(async move {
@@ -122,6 +149,30 @@ pub async fn serve(
     drop(listener);
     drop(open_rx);
     open_tx.closed().await;
+}
+
+/// The answer to every request of a connection accepted while every place is taken.
+fn full() -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let mut e = crate::error::ApiError::new(
+        pigeon_proto::ErrorCode::Unavailable,
+        "too many connections; retry later",
+    );
+    e.retry_after_ms = Some(RETRY_AFTER_FULL_MS);
+    e.into_response()
+}
+
+/// Reads a request's head, answers it [`full`] and closes, all within a few seconds.
+async fn refuse(socket: Placed, refusal: Router) {
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(REFUSAL_HEAD_TIMEOUT)
+        .max_buf_size(MAX_HEAD_BUFFER)
+        .keep_alive(false);
+    let conn = builder.serve_connection(TokioIo::new(socket), TowerToHyperService::new(refusal));
+    // The answer is small; a client that does not read it is not waited for.
+    let _ = tokio::time::timeout(2 * REFUSAL_HEAD_TIMEOUT, conn).await;
 }
 
 /// A socket with its place among the connections open at once: the place is given back as

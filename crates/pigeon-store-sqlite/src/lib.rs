@@ -80,6 +80,11 @@ struct Inner {
     journal: Mutex<Option<JournalThread>>,
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
+    /// Places for the queries running at once (see [`MAX_QUERIES_AT_ONCE`]).
+    query_places: tokio::sync::Semaphore,
+    /// Read connections opened since the store was (tests: they stay bounded).
+    #[cfg(test)]
+    readers_opened: std::sync::atomic::AtomicUsize,
 }
 
 impl Inner {
@@ -115,6 +120,15 @@ impl Drop for Inner {
 }
 
 const MAX_IDLE_READERS: usize = 8;
+/// Queries (every read but the engine's loads) running at once; more wait their turn,
+/// first come first served, holding no thread. Each running one holds a blocking thread
+/// and a read connection (two file descriptors, a 16 MB page cache): unbounded, a burst of
+/// slow queries (a user in many conversations asking for unread counts again and again)
+/// took up to tokio's 512 blocking threads, as many connections and their descriptors,
+/// and the engine's loads, which every send may need, queued behind them. The loads do not
+/// take a place, so queries never hold up a decision. Two cores run no more than this at
+/// once anyway.
+pub const MAX_QUERIES_AT_ONCE: usize = MAX_IDLE_READERS;
 /// Journaled bytes the tables may lag behind before sends wait: what bounds the memory the
 /// unapplied batches hold.
 pub const DEFAULT_BACKLOG_BYTES: usize = 64 << 20;
@@ -236,6 +250,9 @@ impl SqliteStore {
                 journal: Mutex::new(Some((journal_tx, journal_thread))),
                 applier: Mutex::new(Some(handle)),
                 readers: Mutex::new(Vec::new()),
+                query_places: tokio::sync::Semaphore::new(MAX_QUERIES_AT_ONCE),
+                #[cfg(test)]
+                readers_opened: Default::default(),
             }),
         };
         store.start_checkpointer(fsync)?;
@@ -321,6 +338,10 @@ impl SqliteStore {
     }
 
     fn open_reader(&self) -> Result<Connection, StoreError> {
+        #[cfg(test)]
+        self.inner
+            .readers_opened
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
             | OpenFlags::SQLITE_OPEN_NO_MUTEX
             | OpenFlags::SQLITE_OPEN_URI;
@@ -337,13 +358,20 @@ impl SqliteStore {
     }
 
     /// Runs `f` on a pooled read connection on the blocking pool, once the tables hold
-    /// every batch acknowledged before the call.
+    /// every batch acknowledged before the call and a query place is free
+    /// ([`MAX_QUERIES_AT_ONCE`]).
     async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     {
         self.inner.writes.caught_up().await?;
+        let _place = self
+            .inner
+            .query_places
+            .acquire()
+            .await
+            .expect("the query places are never closed");
         self.read_tables(f).await
     }
 
@@ -818,6 +846,39 @@ mod tests {
             .collect::<Result<_, _>>()
             .unwrap();
         assert_eq!(times, vec![500, 500, 600]);
+    }
+
+    /// Queries racing each other run [`MAX_QUERIES_AT_ONCE`] at a time: two hundred at once
+    /// open no more read connections than that, where each used to take a blocking thread
+    /// and a connection of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn racing_queries_open_at_most_their_places_of_read_connections() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let dir = temp_dir("query-places");
+        let store = SqliteStore::open(&dir, Durability::Os).unwrap();
+        let before = store.inner.readers_opened.load(Relaxed);
+        let queries: Vec<_> = (1..=200)
+            .map(|id| {
+                let store = store.clone();
+                // A query that takes a while, as a slow one would.
+                tokio::spawn(async move {
+                    store
+                        .read(move |c| {
+                            std::thread::sleep(std::time::Duration::from_millis(5));
+                            read::user(c, UserId::new(id).unwrap())
+                        })
+                        .await
+                })
+            })
+            .collect();
+        for q in queries {
+            assert!(q.await.unwrap().unwrap().is_none());
+        }
+        let opened = store.inner.readers_opened.load(Relaxed) - before;
+        assert!(
+            (1..=MAX_QUERIES_AT_ONCE).contains(&opened),
+            "{opened} read connections for 200 racing queries"
+        );
     }
 
     /// The tables' threads of an open store run as batch work for the scheduler

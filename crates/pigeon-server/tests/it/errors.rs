@@ -698,11 +698,12 @@ async fn one_user_holds_at_most_the_connections_per_user_limit() {
 }
 
 /// At most `max-open-connections` TCP connections are open at once, HTTP and WebSocket
-/// alike (PROTOCOL-EXTENSIONS.md): one more is left unanswered, waiting to be accepted,
-/// until one closes, and an upgraded WebSocket keeps its place until it closes. (The
-/// bound keeps sockets from taking the file descriptors the store needs.)
+/// alike (PROTOCOL-EXTENSIONS.md): one more is answered 503 `unavailable` with a
+/// `retry_after_ms` and closed, and an upgraded WebSocket keeps its place until it closes.
+/// Past the 32 connections being refused at once, new ones wait unanswered to be accepted.
+/// (The bound keeps sockets from taking the file descriptors the store needs.)
 #[tokio::test]
-async fn connections_past_the_open_limit_wait_until_one_closes() {
+async fn connections_past_the_open_limit_are_refused_until_one_closes() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
     /// Asks for /healthz on a kept-alive connection.
@@ -711,20 +712,40 @@ async fn connections_past_the_open_limit_wait_until_one_closes() {
             .await
             .unwrap();
     }
-    /// The head of the answer, if one comes within `wait`.
+    /// What came, if it ends a head (or the connection) within `wait`.
     async fn answer(tcp: &mut TcpStream, wait: Duration) -> Option<String> {
         let mut got = Vec::new();
         let mut buf = [0u8; 1024];
         tokio::time::timeout(wait, async {
-            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                let n = tcp.read(&mut buf).await.unwrap();
-                assert_ne!(n, 0, "closed unanswered");
+            loop {
+                let n = tcp.read(&mut buf).await.unwrap_or(0);
                 got.extend_from_slice(&buf[..n]);
+                if n == 0 || got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
             }
         })
         .await
         .ok()?;
         Some(String::from_utf8_lossy(&got).into_owned())
+    }
+    /// A connection asking for /healthz is refused and closed.
+    async fn refused(addr: &str) {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        ask(&mut tcp).await;
+        let mut all = Vec::new();
+        tokio::time::timeout(WAIT, tcp.read_to_end(&mut all))
+            .await
+            .expect("refused and closed at once")
+            .unwrap();
+        let all = String::from_utf8_lossy(&all);
+        assert!(all.starts_with("HTTP/1.1 503"), "{all}");
+        let body: Value = serde_json::from_str(&all[all.find("\r\n\r\n").unwrap() + 4..]).unwrap();
+        assert_eq!(body["code"], "unavailable", "{body}");
+        assert!(
+            body["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0),
+            "{body}"
+        );
     }
     let s = spawn_with(|c| c.max_open_connections = Some(2)).await;
     // The token through a client of its own, whose pooled connection closes with it.
@@ -734,41 +755,88 @@ async fn connections_past_the_open_limit_wait_until_one_closes() {
         admin.mint_token(111, 3600).await.unwrap()
     };
     let addr = s.base.trim_start_matches("http://").to_owned();
-    // Accepted in the order they came: the first place, then the second.
-    let mut first = TcpStream::connect(&addr).await.unwrap();
-    let ws = s.ws(&token, "phone").await;
-    ask(&mut first).await;
+    // The admin client's connection may still hold a place for a moment: until it is let
+    // go, a connection is refused.
+    let mut first = loop {
+        let mut tcp = TcpStream::connect(&addr).await.unwrap();
+        ask(&mut tcp).await;
+        let head = answer(&mut tcp, WAIT).await.unwrap();
+        if head.starts_with("HTTP/1.1 200") {
+            break tcp;
+        }
+        assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    let ws = loop {
+        match WsConn::connect(&s.ws_base, &token, "phone").await {
+            Ok(ws) => break ws,
+            Err(pigeon_client::ClientError::Api { status: 503, .. }) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the admin's place stays taken"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    refused(&addr).await;
+    drop(first.shutdown().await);
+    drop(first);
+    // Its place is given back as the server sees it close.
+    let mut third = loop {
+        let mut tcp = TcpStream::connect(&addr).await.unwrap();
+        ask(&mut tcp).await;
+        let head = answer(&mut tcp, WAIT).await.unwrap();
+        if head.starts_with("HTTP/1.1 200") {
+            break tcp;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // The WebSocket, upgraded, still holds its place beside the third.
+    refused(&addr).await;
+    // Connections being refused are bounded too: past 32 that say nothing, one more waits
+    // unanswered until one of them is let go (their heads' 2 s), then is refused.
+    let mut silent = Vec::new();
+    for _ in 0..32 {
+        silent.push(TcpStream::connect(&addr).await.unwrap());
+    }
+    let mut waiting = TcpStream::connect(&addr).await.unwrap();
+    ask(&mut waiting).await;
+    assert_eq!(
+        answer(&mut waiting, Duration::from_millis(500)).await,
+        None,
+        "accepted past the refusals' bound"
+    );
+    let head = answer(&mut waiting, WAIT)
+        .await
+        .expect("refused in the end");
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    drop(silent);
+    drop(ws);
+    ask(&mut third).await;
     assert!(
-        answer(&mut first, WAIT)
+        answer(&mut third, WAIT)
             .await
             .unwrap()
             .starts_with("HTTP/1.1 200")
     );
-    let mut third = TcpStream::connect(&addr).await.unwrap();
-    ask(&mut third).await;
-    assert_eq!(
-        answer(&mut third, Duration::from_millis(500)).await,
-        None,
-        "a third connection is served while two are open"
-    );
-    drop(first);
-    let head = answer(&mut third, WAIT)
-        .await
-        .expect("served once one closed");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    // The WebSocket, upgraded, still holds its place beside the third.
-    let mut fourth = TcpStream::connect(&addr).await.unwrap();
-    ask(&mut fourth).await;
-    assert_eq!(
-        answer(&mut fourth, Duration::from_millis(500)).await,
-        None,
-        "an upgraded connection gave its place back while open"
-    );
-    drop(ws);
-    let head = answer(&mut fourth, WAIT)
-        .await
-        .expect("served once the WebSocket closed");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // Once the WebSocket closed, a new connection is served.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let mut tcp = TcpStream::connect(&addr).await.unwrap();
+        ask(&mut tcp).await;
+        let head = answer(&mut tcp, WAIT).await.unwrap();
+        if head.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no place after the WebSocket closed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// PROTOCOL.md 5: "A frame over 1 MiB gets `payload_too_large`": a binary one on a

@@ -78,8 +78,13 @@ pub async fn run(a: Args) -> Res<ExitCode> {
     if !(a.hold_secs > 0.0 && a.hold_secs <= 3600.0 && a.ping_secs > 0.0) {
         return Err("--hold-secs must be in (0, 3600] and --ping-secs positive".into());
     }
-    // Each connection costs this process one file, and the server one more when it runs here.
-    let files = if a.common.in_process { 2 * n } else { n } + 200;
+    // Each connection costs this process one file, and the server one more (and the files
+    // it keeps for its store) when it runs here.
+    let files = if a.common.in_process {
+        2 * n + pigeon_server::open_files::RESERVED_FOR_THE_STORE as usize
+    } else {
+        n + 200
+    };
     if let Some(limit) = procfs::open_files_limit()
         && (files as u64) > limit
     {

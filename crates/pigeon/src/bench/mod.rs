@@ -95,6 +95,9 @@ pub struct Common {
 }
 
 pub async fn run(args: BenchArgs) -> ExitCode {
+    // The tool holds a socket a connection (and, with --in-process, the server one more):
+    // as the server does at start, the soft limit goes up to the hard one.
+    pigeon_server::open_files::raise_limit();
     let result = match args.scenario {
         Scenario::Connections(a) => connections::run(a).await,
         Scenario::Direct(a) => direct::run(a).await,

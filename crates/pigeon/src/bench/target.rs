@@ -265,7 +265,11 @@ async fn start_in_process(c: &Common, dir: &std::path::Path, key: &str) -> Res<S
     argv.push("--admin-key".into());
     argv.push(key.to_owned());
     let parsed = ServeOnly::try_parse_from(argv).map_err(|e| e.to_string())?;
-    let cfg = Config::resolve(&parsed.args).map_err(|e| e.to_string())?;
+    let mut cfg = Config::resolve(&parsed.args).map_err(|e| e.to_string())?;
+    // Here every connection is two sockets of this process, the tool's and the server's:
+    // the server's share of the descriptors is half of what its store leaves.
+    let open_files = pigeon_server::open_files::raise_limit();
+    cfg.max_open_connections = Some(pigeon_server::open_files::connections_for(open_files) / 2);
     let running = pigeon_server::start(cfg)
         .await
         .map_err(|e| format!("cannot start the server: {e}"))?;
