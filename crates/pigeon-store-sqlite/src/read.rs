@@ -216,6 +216,28 @@ fn unread_count(
         .map(|n| n as u64)
 }
 
+/// The query of [`conversations`]: a page of the user's list, or with `only` the one
+/// conversation, found by its membership's key rather than by a walk of every membership
+/// of the user (`?2 IS NULL OR …` could use no index for it).
+fn conversations_sql(only: bool, limit: u32) -> String {
+    let only = if only {
+        "mb.conversation_id = ?2"
+    } else {
+        "?2 IS NULL"
+    };
+    format!(
+        "SELECT c.conversation_id, c.is_group, c.seq, c.member_count, c.fanout, c.name, c.notice, c.avatar, \
+         c.owner, c.dismissed, c.last_msg_id, c.updated_at, mb.last_read_seq, mb.pinned, mb.muted, mb.hidden_seq \
+         FROM members mb JOIN conversations c ON c.conversation_id = mb.conversation_id \
+         WHERE mb.user_id = ?1 AND mb.left_seq IS NULL AND {only} \
+         AND (?3 OR mb.hidden_seq IS NULL OR c.seq > mb.hidden_seq) \
+         AND (?4 IS NULL OR (mb.pinned, c.updated_at, COALESCE(c.last_msg_id, 0), c.conversation_id) \
+              < (?4, ?5, ?7, ?6)) \
+         ORDER BY mb.pinned DESC, c.updated_at DESC, COALESCE(c.last_msg_id, 0) DESC, c.conversation_id DESC \
+         LIMIT {limit}"
+    )
+}
+
 pub fn conversations(
     c: &Connection,
     user: UserId,
@@ -224,19 +246,7 @@ pub fn conversations(
     limit: u32,
     include_hidden: bool,
 ) -> rusqlite::Result<Vec<ConversationView>> {
-    let sql = format!(
-        "SELECT c.conversation_id, c.is_group, c.seq, c.member_count, c.fanout, c.name, c.notice, c.avatar, \
-         c.owner, c.dismissed, c.last_msg_id, c.updated_at, mb.last_read_seq, mb.pinned, mb.muted, mb.hidden_seq \
-         FROM members mb JOIN conversations c ON c.conversation_id = mb.conversation_id \
-         WHERE mb.user_id = ?1 AND mb.left_seq IS NULL \
-         AND (?2 IS NULL OR mb.conversation_id = ?2) \
-         AND (?3 OR mb.hidden_seq IS NULL OR c.seq > mb.hidden_seq) \
-         AND (?4 IS NULL OR (mb.pinned, c.updated_at, COALESCE(c.last_msg_id, 0), c.conversation_id) \
-              < (?4, ?5, ?7, ?6)) \
-         ORDER BY mb.pinned DESC, c.updated_at DESC, COALESCE(c.last_msg_id, 0) DESC, c.conversation_id DESC \
-         LIMIT {limit}"
-    );
-    let mut st = c.prepare_cached(&sql)?;
+    let mut st = c.prepare_cached(&conversations_sql(only.is_some(), limit))?;
     struct Raw {
         view: ConversationView,
         last_msg_id: Option<i64>,
@@ -642,6 +652,53 @@ mod tests {
             "prepared again"
         );
         assert_eq!(st.get_status(rusqlite::StatementStatus::Run), 5);
+    }
+
+    /// One conversation of a user's list is found by its membership's key, whatever the
+    /// number of the user's memberships; a page of the list walks them in the user's index.
+    #[test]
+    fn one_conversation_is_looked_up_by_key_not_found_in_a_walk() {
+        let mut c = Connection::open_in_memory().unwrap();
+        crate::schema::migrate(&mut c).unwrap();
+        let plan = |only: bool| -> String {
+            let mut st = c
+                .prepare(&format!(
+                    "EXPLAIN QUERY PLAN {}",
+                    conversations_sql(only, 50)
+                ))
+                .unwrap();
+            st.query_map(
+                params![
+                    1,
+                    only.then_some("1-2"),
+                    false,
+                    None::<i64>,
+                    None::<i64>,
+                    None::<String>,
+                    None::<i64>
+                ],
+                |r| r.get::<_, String>(3),
+            )
+            .unwrap()
+            .map(Result::unwrap)
+            .collect::<Vec<_>>()
+            .join("; ")
+        };
+        let one = plan(true);
+        let membership = one
+            .split("; ")
+            .find(|step| step.starts_with("SEARCH mb "))
+            .unwrap_or_else(|| panic!("{one}"));
+        assert!(
+            membership.contains("conversation_id=?") && membership.contains("user_id=?"),
+            "{one}"
+        );
+        assert!(!one.contains("SCAN"), "{one}");
+        let page = plan(false);
+        assert!(
+            page.contains("SEARCH mb USING INDEX members_by_user (user_id=?)"),
+            "{page}"
+        );
     }
 
     /// A time-bounded page, found by binary searches over seqs (no index by time), holds
