@@ -747,6 +747,21 @@ async fn connections_past_the_open_limit_are_refused_until_one_closes() {
             "{body}"
         );
     }
+    /// A connection whose /healthz is answered, retried while refused until a place frees.
+    async fn served(addr: &str) -> TcpStream {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            ask(&mut tcp).await;
+            let head = answer(&mut tcp, WAIT).await.unwrap();
+            if head.starts_with("HTTP/1.1 200") {
+                return tcp;
+            }
+            assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+            assert!(std::time::Instant::now() < deadline, "no place freed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     let s = spawn_with(|c| c.max_open_connections = Some(2)).await;
     // The token through a client of its own, whose pooled connection closes with it.
     let token = {
@@ -757,16 +772,7 @@ async fn connections_past_the_open_limit_are_refused_until_one_closes() {
     let addr = s.base.trim_start_matches("http://").to_owned();
     // The admin client's connection may still hold a place for a moment: until it is let
     // go, a connection is refused.
-    let mut first = loop {
-        let mut tcp = TcpStream::connect(&addr).await.unwrap();
-        ask(&mut tcp).await;
-        let head = answer(&mut tcp, WAIT).await.unwrap();
-        if head.starts_with("HTTP/1.1 200") {
-            break tcp;
-        }
-        assert!(head.starts_with("HTTP/1.1 503"), "{head}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let first = served(&addr).await;
     let deadline = std::time::Instant::now() + WAIT;
     let ws = loop {
         match WsConn::connect(&s.ws_base, &token, "phone").await {
@@ -782,18 +788,9 @@ async fn connections_past_the_open_limit_are_refused_until_one_closes() {
         }
     };
     refused(&addr).await;
-    drop(first.shutdown().await);
     drop(first);
     // Its place is given back as the server sees it close.
-    let mut third = loop {
-        let mut tcp = TcpStream::connect(&addr).await.unwrap();
-        ask(&mut tcp).await;
-        let head = answer(&mut tcp, WAIT).await.unwrap();
-        if head.starts_with("HTTP/1.1 200") {
-            break tcp;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let mut third = served(&addr).await;
     // The WebSocket, upgraded, still holds its place beside the third.
     refused(&addr).await;
     // Connections being refused are bounded too: past 32 that say nothing, one more waits
@@ -823,20 +820,7 @@ async fn connections_past_the_open_limit_are_refused_until_one_closes() {
             .starts_with("HTTP/1.1 200")
     );
     // Once the WebSocket closed, a new connection is served.
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let mut tcp = TcpStream::connect(&addr).await.unwrap();
-        ask(&mut tcp).await;
-        let head = answer(&mut tcp, WAIT).await.unwrap();
-        if head.starts_with("HTTP/1.1 200") {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no place after the WebSocket closed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    served(&addr).await;
 }
 
 /// PROTOCOL.md 5: "A frame over 1 MiB gets `payload_too_large`": a binary one on a
