@@ -4,6 +4,7 @@
 
 mod basics;
 mod concurrency;
+mod contract;
 mod delivery;
 mod errors;
 mod groups;
