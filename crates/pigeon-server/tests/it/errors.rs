@@ -823,6 +823,25 @@ async fn connections_past_the_open_limit_are_refused_until_one_closes() {
     served(&addr).await;
 }
 
+/// A server whose every connection place is taken, with refusals under way and a client
+/// waiting in the backlog, still stops at once when asked: the accept loop waits for a
+/// place or the stop, whichever comes first.
+#[tokio::test]
+async fn a_full_server_stops_at_once() {
+    use tokio::net::TcpStream;
+    let mut s = spawn_with(|c| c.max_open_connections = Some(1)).await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let mut held = Vec::new();
+    // One served, 32 being refused (silent), one more in the backlog.
+    for _ in 0..34 {
+        held.push(TcpStream::connect(&addr).await.unwrap());
+    }
+    let running = s.running.take().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), running.shutdown())
+        .await
+        .expect("the server stopped while full");
+}
+
 /// PROTOCOL.md 5: "A frame over 1 MiB gets `payload_too_large`": a binary one on a
 /// `pigeon.v1.json` connection (the default) too, rather than `invalid_argument` for its
 /// being binary, and the connection stays.
