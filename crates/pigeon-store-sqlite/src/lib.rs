@@ -81,7 +81,7 @@ struct Inner {
     applier: Mutex<Option<std::thread::JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
     /// Places for the queries running at once (see [`MAX_QUERIES_AT_ONCE`]).
-    query_places: tokio::sync::Semaphore,
+    query_places: Arc<tokio::sync::Semaphore>,
     /// Read connections opened since the store was (tests: they stay bounded).
     #[cfg(test)]
     readers_opened: std::sync::atomic::AtomicUsize,
@@ -250,7 +250,7 @@ impl SqliteStore {
                 journal: Mutex::new(Some((journal_tx, journal_thread))),
                 applier: Mutex::new(Some(handle)),
                 readers: Mutex::new(Vec::new()),
-                query_places: tokio::sync::Semaphore::new(MAX_QUERIES_AT_ONCE),
+                query_places: Arc::new(tokio::sync::Semaphore::new(MAX_QUERIES_AT_ONCE)),
                 #[cfg(test)]
                 readers_opened: Default::default(),
             }),
@@ -366,23 +366,31 @@ impl SqliteStore {
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     {
         self.inner.writes.caught_up().await?;
-        let _place = self
+        let place = self
             .inner
             .query_places
-            .acquire()
+            .clone()
+            .acquire_owned()
             .await
             .expect("the query places are never closed");
-        self.read_tables(f).await
+        self.read_tables(Some(place), f).await
     }
 
-    /// Runs `f` on a pooled read connection on the blocking pool, on the tables as they are.
-    async fn read_tables<T, F>(&self, f: F) -> Result<T, StoreError>
+    /// Runs `f` on a pooled read connection on the blocking pool, on the tables as they are,
+    /// holding `place` until `f` has run: a caller that stops waiting (a client gone) does
+    /// not give its query place back while its query still runs.
+    async fn read_tables<T, F>(
+        &self,
+        place: Option<tokio::sync::OwnedSemaphorePermit>,
+        f: F,
+    ) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     {
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
+            let _place = place;
             let pooled = this.inner.readers.lock().expect("reader pool lock").pop();
             let conn = match pooled {
                 Some(c) => c,
@@ -429,7 +437,9 @@ impl Store for SqliteStore {
         // tables are read), so a duplicate check never waits; for what else could miss a
         // journaled batch the pipeline calls `caught_up` first.
         let pending = self.inner.writes.dedupe_pending(&mut needs.dedupe);
-        let mut loaded = self.read_tables(move |c| write::load(c, &needs)).await?;
+        let mut loaded = self
+            .read_tables(None, move |c| write::load(c, &needs))
+            .await?;
         loaded.dedupe.extend(pending);
         Ok(loaded)
     }
@@ -878,6 +888,48 @@ mod tests {
         assert!(
             (1..=MAX_QUERIES_AT_ONCE).contains(&opened),
             "{opened} read connections for 200 racing queries"
+        );
+    }
+
+    /// A query whose caller stops waiting keeps its place until it has run: callers that
+    /// give up (clients gone) cannot start more than [`MAX_QUERIES_AT_ONCE`] at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn abandoned_queries_keep_their_places_until_they_end() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let dir = temp_dir("abandoned-queries");
+        let store = SqliteStore::open(&dir, Durability::Os).unwrap();
+        let running = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        for _ in 0..5 {
+            let callers: Vec<_> = (0..20)
+                .map(|_| {
+                    let (store, running, most) = (store.clone(), running.clone(), most.clone());
+                    tokio::spawn(async move {
+                        store
+                            .read(move |_| {
+                                let now = running.fetch_add(1, SeqCst) + 1;
+                                most.fetch_max(now, SeqCst);
+                                std::thread::sleep(std::time::Duration::from_millis(20));
+                                running.fetch_sub(1, SeqCst);
+                                Ok(())
+                            })
+                            .await
+                    })
+                })
+                .collect();
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            for caller in callers {
+                caller.abort();
+            }
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while running.load(SeqCst) > 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let most = most.load(SeqCst);
+        assert!(
+            (1..=MAX_QUERIES_AT_ONCE).contains(&most),
+            "{most} queries ran at once"
         );
     }
 
