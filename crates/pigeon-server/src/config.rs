@@ -60,7 +60,7 @@ pub struct ServeArgs {
     /// Most WebSocket connections held at once [default: 100000]
     #[arg(long, env = "PIGEON_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
-    /// Most TCP connections open at once, HTTP and WebSocket; past it new clients wait to be accepted until one closes [default: the open-file limit less 512, kept for the store]
+    /// Most TCP connections open at once, HTTP and WebSocket; past it a new client is answered 503 unavailable (a few at once; more wait to be accepted) until one closes [default: the open-file limit less 512 kept for the store, or less a quarter of a limit under 2048]
     #[arg(long, env = "PIGEON_MAX_OPEN_CONNECTIONS")]
     pub max_open_connections: Option<usize>,
     /// Most WebSocket connections one user may hold at once, over all their devices; one more is refused with 429 `rate_limited` [default: 100]

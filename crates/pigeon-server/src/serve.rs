@@ -4,8 +4,8 @@
 //! then never fires: a client could hold a connection, and the buffers of its half-sent
 //! request, for ever (a review held 560 MB with a thousand of them). And a bound on the
 //! connections open at once (`max-open-connections`, see `open_files.rs`), so that sockets
-//! cannot take the file descriptors the store needs: past it a few more are accepted only
-//! to be answered 503 `unavailable` with a `retry_after_ms` (a client told to come back,
+//! cannot take the file descriptors the store needs: past it a few more (up to 32) are
+//! accepted only to be answered 503 `unavailable` with a `retry_after_ms` (a client told to come back,
 //! rather than left waiting), and past those new clients wait in the listen backlog until
 //! a connection closes.
 
@@ -32,13 +32,20 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_HEAD_BUFFER: usize = 64 * 1024;
 /// How often a server whose connection places are all taken says so in its log.
 const FULL_WARNING_EVERY: Duration = Duration::from_secs(60);
-/// Connections accepted at once while every place is taken, only to be refused: each
-/// holds a descriptor of the store's reserve for at most [`REFUSAL_HEAD_TIMEOUT`].
-const REFUSING_AT_ONCE: usize = 32;
+/// The most connections accepted at once while every place is taken, only to be refused:
+/// each holds a descriptor of the store's reserve for at most [`REFUSAL_HEAD_TIMEOUT`].
+const MAX_REFUSING_AT_ONCE: usize = 32;
 /// How long a refused connection may take to send its request's head.
 const REFUSAL_HEAD_TIMEOUT: Duration = Duration::from_secs(2);
 /// When a refused client is told to try again (as a user past their own connections is).
 const RETRY_AFTER_FULL_MS: u64 = 5_000;
+
+/// How many connections are refused at once with `max_open` places: one for every 64
+/// places, between 1 and 32, so that a small server (a low open-file limit, a small
+/// reserve) keeps its few spare descriptors.
+pub fn refusing_at_once(max_open: usize) -> usize {
+    (max_open / 64).clamp(1, MAX_REFUSING_AT_ONCE)
+}
 
 /// What an accepted connection's place lets it have.
 enum Place {
@@ -60,7 +67,7 @@ pub async fn serve(
     // Every connection task holds a receiver: once all are dropped, all have closed.
     let (open_tx, open_rx) = watch::channel(());
     let places = Arc::new(Semaphore::new(max_open.min(Semaphore::MAX_PERMITS)));
-    let refusing = Arc::new(Semaphore::new(REFUSING_AT_ONCE));
+    let refusing = Arc::new(Semaphore::new(refusing_at_once(max_open)));
     let refusal = Router::new().fallback(|| async { full() });
     let mut warned_full: Option<Instant> = None;
     loop {
@@ -109,10 +116,20 @@ pub async fn serve(
         }
         let place = match place {
             Place::Served(place) => place,
-            Place::Refused(place) => {
-                tokio::spawn(refuse(Placed { tcp, _place: place }, refusal.clone()));
-                continue;
-            }
+            Place::Refused(refusal_place) => match places.clone().try_acquire_owned() {
+                // A place came free while the accept waited: serve, not refuse.
+                Ok(place) => place,
+                Err(_) => {
+                    tokio::spawn(refuse(
+                        Placed {
+                            tcp,
+                            _place: refusal_place,
+                        },
+                        refusal.clone(),
+                    ));
+                    continue;
+                }
+            },
         };
         let service = TowerToHyperService::new(router.clone());
         let (mut stop, open) = (stop.clone(), open_rx.clone());

@@ -82,6 +82,9 @@ struct Inner {
     readers: Mutex<Vec<Connection>>,
     /// Places for the queries running at once (see [`MAX_QUERIES_AT_ONCE`]).
     query_places: Arc<tokio::sync::Semaphore>,
+    /// Places for the lookups by key running at once, a lane of their own (see
+    /// [`MAX_LOOKUPS_AT_ONCE`]).
+    lookup_places: Arc<tokio::sync::Semaphore>,
     /// Read connections opened since the store was (tests: they stay bounded).
     #[cfg(test)]
     readers_opened: std::sync::atomic::AtomicUsize,
@@ -129,6 +132,11 @@ const MAX_IDLE_READERS: usize = 8;
 /// take a place, so queries never hold up a decision. Two cores run no more than this at
 /// once anyway.
 pub const MAX_QUERIES_AT_ONCE: usize = MAX_IDLE_READERS;
+/// Lookups of one row by its key (a user, a membership, a cursor, the state a connection
+/// starts from) running at once: a lane apart from the queries', so that a WebSocket's
+/// `hello`, a token check or `/readyz` never waits behind a queue of slow lists and counts.
+/// Bounded for the same reasons.
+pub const MAX_LOOKUPS_AT_ONCE: usize = MAX_IDLE_READERS;
 /// Journaled bytes the tables may lag behind before sends wait: what bounds the memory the
 /// unapplied batches hold.
 pub const DEFAULT_BACKLOG_BYTES: usize = 64 << 20;
@@ -251,6 +259,7 @@ impl SqliteStore {
                 applier: Mutex::new(Some(handle)),
                 readers: Mutex::new(Vec::new()),
                 query_places: Arc::new(tokio::sync::Semaphore::new(MAX_QUERIES_AT_ONCE)),
+                lookup_places: Arc::new(tokio::sync::Semaphore::new(MAX_LOOKUPS_AT_ONCE)),
                 #[cfg(test)]
                 readers_opened: Default::default(),
             }),
@@ -357,22 +366,42 @@ impl SqliteStore {
         Ok(conn)
     }
 
-    /// Runs `f` on a pooled read connection on the blocking pool, once the tables hold
-    /// every batch acknowledged before the call and a query place is free
+    /// Runs the query `f` on a pooled read connection on the blocking pool, once the tables
+    /// hold every batch acknowledged before the call and a query place is free
     /// ([`MAX_QUERIES_AT_ONCE`]).
     async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     {
+        self.read_placed(&self.inner.query_places, f).await
+    }
+
+    /// [`SqliteStore::read`] for a lookup of one row by its key, in the lookups' lane
+    /// ([`MAX_LOOKUPS_AT_ONCE`]).
+    async fn look_up<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    {
+        self.read_placed(&self.inner.lookup_places, f).await
+    }
+
+    async fn read_placed<T, F>(
+        &self,
+        places: &Arc<tokio::sync::Semaphore>,
+        f: F,
+    ) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    {
         self.inner.writes.caught_up().await?;
-        let place = self
-            .inner
-            .query_places
+        let place = places
             .clone()
             .acquire_owned()
             .await
-            .expect("the query places are never closed");
+            .expect("the read places are never closed");
         self.read_tables(Some(place), f).await
     }
 
@@ -511,7 +540,7 @@ impl Store for SqliteStore {
 
     async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError> {
         let key = key.to_owned();
-        self.read(move |c| read::meta_get(c, &key)).await
+        self.look_up(move |c| read::meta_get(c, &key)).await
     }
 
     async fn meta_set(&self, key: &str, value: &str) -> Result<(), StoreError> {
@@ -530,7 +559,7 @@ impl Store for SqliteStore {
     }
 
     async fn user(&self, user: UserId) -> Result<Option<UserRecord>, StoreError> {
-        self.read(move |c| read::user(c, user)).await
+        self.look_up(move |c| read::user(c, user)).await
     }
 
     async fn membership(
@@ -539,12 +568,13 @@ impl Store for SqliteStore {
         user: UserId,
     ) -> Result<Option<Membership>, StoreError> {
         let conv = conv.clone();
-        self.read(move |c| read::membership(c, &conv, user)).await
+        self.look_up(move |c| read::membership(c, &conv, user))
+            .await
     }
 
     async fn conversation_exists(&self, conv: &ConversationId) -> Result<bool, StoreError> {
         let conv = conv.clone();
-        self.read(move |c| read::conversation_exists(c, &conv))
+        self.look_up(move |c| read::conversation_exists(c, &conv))
             .await
     }
 
@@ -594,7 +624,8 @@ impl Store for SqliteStore {
     }
 
     async fn message(&self, msg_id: MsgId) -> Result<Option<AuditedMessage>, StoreError> {
-        self.read(move |c| read::audited_message(c, msg_id)).await
+        self.look_up(move |c| read::audited_message(c, msg_id))
+            .await
     }
 
     async fn versions(&self, msg_id: MsgId) -> Result<Vec<VersionView>, StoreError> {
@@ -602,16 +633,16 @@ impl Store for SqliteStore {
     }
 
     async fn is_hidden_for(&self, user: UserId, msg_id: MsgId) -> Result<bool, StoreError> {
-        self.read(move |c| read::is_hidden_for(c, user, msg_id))
+        self.look_up(move |c| read::is_hidden_for(c, user, msg_id))
             .await
     }
 
     async fn inbox_head(&self, user: UserId) -> Result<u64, StoreError> {
-        self.read(move |c| read::inbox_head(c, user)).await
+        self.look_up(move |c| read::inbox_head(c, user)).await
     }
 
     async fn connect_state(&self, user: UserId) -> Result<(u64, Option<u64>), StoreError> {
-        self.read(move |c| {
+        self.look_up(move |c| {
             let head = read::inbox_head(c, user)?;
             Ok((head, read::user(c, user)?.map(|u| u.token_gen)))
         })
@@ -631,7 +662,7 @@ impl Store for SqliteStore {
 
     async fn cursor(&self, user: UserId, device: &str, chain: &str) -> Result<u64, StoreError> {
         let (device, chain) = (device.to_owned(), chain.to_owned());
-        self.read(move |c| read::cursor(c, user, &device, &chain))
+        self.look_up(move |c| read::cursor(c, user, &device, &chain))
             .await
     }
 
@@ -889,6 +920,39 @@ mod tests {
             (1..=MAX_QUERIES_AT_ONCE).contains(&opened),
             "{opened} read connections for 200 racing queries"
         );
+    }
+
+    /// Lookups by key have a lane of their own: with every query place taken by slow
+    /// queries and more queued, a user's lookup answers before any of them ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lookups_do_not_wait_behind_slow_queries() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let dir = temp_dir("lookup-lane");
+        let store = SqliteStore::open(&dir, Durability::Os).unwrap();
+        let (running, ended) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let slow: Vec<_> = (0..MAX_QUERIES_AT_ONCE + 2)
+            .map(|_| {
+                let (store, running, ended) = (store.clone(), running.clone(), ended.clone());
+                tokio::spawn(async move {
+                    store
+                        .read(move |_| {
+                            running.fetch_add(1, SeqCst);
+                            std::thread::sleep(std::time::Duration::from_millis(500));
+                            ended.fetch_add(1, SeqCst);
+                            Ok(())
+                        })
+                        .await
+                })
+            })
+            .collect();
+        while running.load(SeqCst) < MAX_QUERIES_AT_ONCE {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        assert!(store.user(UserId::new(1).unwrap()).await.unwrap().is_none());
+        assert_eq!(ended.load(SeqCst), 0, "the lookup waited for a slow query");
+        for q in slow {
+            q.await.unwrap().unwrap();
+        }
     }
 
     /// A query whose caller stops waiting keeps its place until it has run: callers that

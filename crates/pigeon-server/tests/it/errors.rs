@@ -700,7 +700,7 @@ async fn one_user_holds_at_most_the_connections_per_user_limit() {
 /// At most `max-open-connections` TCP connections are open at once, HTTP and WebSocket
 /// alike (PROTOCOL-EXTENSIONS.md): one more is answered 503 `unavailable` with a
 /// `retry_after_ms` and closed, and an upgraded WebSocket keeps its place until it closes.
-/// Past the 32 connections being refused at once, new ones wait unanswered to be accepted.
+/// Past the connections being refused at once, new ones wait unanswered to be accepted.
 /// (The bound keeps sockets from taking the file descriptors the store needs.)
 #[tokio::test]
 async fn connections_past_the_open_limit_are_refused_until_one_closes() {
@@ -793,10 +793,11 @@ async fn connections_past_the_open_limit_are_refused_until_one_closes() {
     let mut third = served(&addr).await;
     // The WebSocket, upgraded, still holds its place beside the third.
     refused(&addr).await;
-    // Connections being refused are bounded too: past 32 that say nothing, one more waits
-    // unanswered until one of them is let go (their heads' 2 s), then is refused.
+    // Connections being refused are bounded too (one at once with two places): past those
+    // that say nothing, one more waits unanswered until one of them is let go (their
+    // heads' 2 s), then is refused.
     let mut silent = Vec::new();
-    for _ in 0..32 {
+    for _ in 0..pigeon_server::serve::refusing_at_once(2) {
         silent.push(TcpStream::connect(&addr).await.unwrap());
     }
     let mut waiting = TcpStream::connect(&addr).await.unwrap();
@@ -823,19 +824,69 @@ async fn connections_past_the_open_limit_are_refused_until_one_closes() {
     served(&addr).await;
 }
 
+/// A place that comes free while the accept loop, having found none, waits for the next
+/// client with a refusal in hand goes to that client: once the server has seen a
+/// connection close, the next one is served, not told to retry.
+#[tokio::test]
+async fn a_place_freed_while_full_goes_to_the_next_client() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    async fn status_of_healthz(addr: &str) -> String {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(b"GET /healthz HTTP/1.1\r\nhost: pigeon\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut all = Vec::new();
+        tokio::time::timeout(WAIT, tcp.read_to_end(&mut all))
+            .await
+            .expect("answered")
+            .unwrap();
+        String::from_utf8_lossy(&all)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_owned()
+    }
+    let s = spawn_with(|c| c.max_open_connections = Some(1)).await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let held = TcpStream::connect(&addr).await.unwrap();
+    // Full: refused (and from here the loop waits for a client with a refusal in hand).
+    assert_eq!(
+        status_of_healthz(&addr).await,
+        "HTTP/1.1 503 Service Unavailable"
+    );
+    drop(held);
+    // The server sees the close within milliseconds; a second is a wide margin.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(status_of_healthz(&addr).await, "HTTP/1.1 200 OK");
+}
+
 /// A server whose every connection place is taken, with refusals under way and a client
 /// waiting in the backlog, still stops at once when asked: the accept loop waits for a
 /// place or the stop, whichever comes first.
 #[tokio::test]
 async fn a_full_server_stops_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
     let mut s = spawn_with(|c| c.max_open_connections = Some(1)).await;
     let addr = s.base.trim_start_matches("http://").to_owned();
     let mut held = Vec::new();
-    // One served, 32 being refused (silent), one more in the backlog.
-    for _ in 0..34 {
+    // One served, one being refused (silent), one more in the backlog.
+    for _ in 0..1 + pigeon_server::serve::refusing_at_once(1) {
         held.push(TcpStream::connect(&addr).await.unwrap());
     }
+    let mut waiting = TcpStream::connect(&addr).await.unwrap();
+    waiting
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: pigeon\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), waiting.read(&mut buf))
+            .await
+            .is_err(),
+        "the server was not full"
+    );
     let running = s.running.take().unwrap();
     tokio::time::timeout(Duration::from_secs(5), running.shutdown())
         .await
