@@ -35,6 +35,14 @@ async fn new_room(s: &TestServer) -> String {
         .to_owned()
 }
 
+/// The next `room_msgs` batch on `ws`.
+async fn room_batch(ws: &mut WsConn) -> Value {
+    ws.recv_until(WAIT, |v| v["type"] == "room_msgs")
+        .await
+        .unwrap()
+        .expect("a room_msgs batch")
+}
+
 /// Sends a frame without `req` and waits for a `ping` behind it: the frame is handled.
 async fn send_then_barrier(ws: &mut WsConn, frame: Value, req: i64) {
     ws.send(&frame).await.unwrap();
@@ -494,11 +502,7 @@ async fn room_leave_stops_the_batches_and_the_sends() {
     )
     .await;
     for ws in [&mut a, &mut b] {
-        let batch = ws
-            .recv_until(WAIT, |v| v["type"] == "room_msgs")
-            .await
-            .unwrap()
-            .expect("a batch while watching");
+        let batch = room_batch(ws).await;
         assert_eq!(batch["messages"][0]["content"], "before", "{batch}");
     }
 
@@ -515,11 +519,7 @@ async fn room_leave_stops_the_batches_and_the_sends() {
         4,
     )
     .await;
-    let batch = a
-        .recv_until(WAIT, |v| v["type"] == "room_msgs")
-        .await
-        .unwrap()
-        .expect("the viewer who stayed gets the batch");
+    let batch = room_batch(&mut a).await;
     assert_eq!(batch["messages"][0]["content"], "after", "{batch}");
     // The batch went out to the room's viewers at once; b, gone, got none of it.
     let late = b
