@@ -120,13 +120,8 @@ pub async fn serve(
                 // A place came free while the accept waited: serve, not refuse.
                 Ok(place) => place,
                 Err(_) => {
-                    tokio::spawn(refuse(
-                        Placed {
-                            tcp,
-                            _place: refusal_place,
-                        },
-                        refusal.clone(),
-                    ));
+                    metrics::counter!("pigeon_connections_refused_total").increment(1);
+                    tokio::spawn(refuse(Placed::new(tcp, refusal_place), refusal.clone()));
                     continue;
                 }
             },
@@ -140,7 +135,7 @@ pub async fn serve(
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .max_buf_size(MAX_HEAD_BUFFER);
             let conn = builder
-                .serve_connection(TokioIo::new(Placed { tcp, _place: place }), service)
+                .serve_connection(TokioIo::new(Placed::new(tcp, place)), service)
                 .with_upgrades();
             tokio::pin!(conn);
             let mut stopping = false;
@@ -193,10 +188,25 @@ async fn refuse(socket: Placed, refusal: Router) {
 }
 
 /// A socket with its place among the connections open at once: the place is given back as
-/// the socket closes, also when a WebSocket upgrade has taken the socket over.
+/// the socket closes, also when a WebSocket upgrade has taken the socket over. Counted in
+/// `pigeon_open_connections` (refusals in `pigeon_connections_refused_total`), so an
+/// operator sees the bound coming.
 struct Placed {
     tcp: TcpStream,
     _place: OwnedSemaphorePermit,
+}
+
+impl Placed {
+    fn new(tcp: TcpStream, place: OwnedSemaphorePermit) -> Placed {
+        metrics::gauge!("pigeon_open_connections").increment(1.0);
+        Placed { tcp, _place: place }
+    }
+}
+
+impl Drop for Placed {
+    fn drop(&mut self) {
+        metrics::gauge!("pigeon_open_connections").decrement(1.0);
+    }
 }
 
 impl AsyncRead for Placed {

@@ -40,6 +40,7 @@ async fn health_ready_metrics_and_openapi_answer() {
         "pigeon_apply_seconds_bucket",
         "pigeon_apply_batches_bucket",
         "pigeon_read_wait_seconds_bucket",
+        "pigeon_open_connections",
     ] {
         assert!(text.contains(name), "{name} missing from: {text}");
     }
