@@ -324,7 +324,9 @@ impl Hub {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let saves = {
             let mut shard = self.shard(user).write().expect("hub shard lock");
-            let conns = shard.entry(user).or_default();
+            // Most users hold one connection: a first push into an empty Vec would make
+            // room for four (160 bytes kept by every idle connection, heaptrack).
+            let conns = shard.entry(user).or_insert_with(|| Vec::with_capacity(1));
             let mut saves = Vec::new();
             for c in conns.iter().filter(|c| c.device == device) {
                 let (tx, rx) = tokio::sync::oneshot::channel();
