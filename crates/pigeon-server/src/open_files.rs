@@ -5,7 +5,7 @@
 //! connections get what the limit leaves after [`RESERVED_FOR_THE_STORE`].
 
 /// Descriptors kept back from connections: the store (journal segments, the tables, the
-/// WAL and its index, up to `MAX_QUERIES_AT_ONCE` read connections and the engine's, SQLite's
+/// WAL and its index, up to 17 read connections (8 queries, 8 lookups, the engine's loads), SQLite's
 /// temporary files), the offline webhook's client, the log, with room to spare. A low limit
 /// keeps back a quarter of itself instead.
 pub const RESERVED_FOR_THE_STORE: u64 = 512;

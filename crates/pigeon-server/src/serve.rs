@@ -70,6 +70,9 @@ pub async fn serve(
     let refusing = Arc::new(Semaphore::new(refusing_at_once(max_open)));
     let refusal = Router::new().fallback(|| async { full() });
     let mut warned_full: Option<Instant> = None;
+    // Shown from the start, not from the first refusal.
+    metrics::counter!("pigeon_connections_refused_total").increment(0);
+    metrics::gauge!("pigeon_tcp_connections").increment(0.0);
     loop {
         let place = if let Ok(place) = places.clone().try_acquire_owned() {
             Place::Served(place)
@@ -120,8 +123,7 @@ pub async fn serve(
                 // A place came free while the accept waited: serve, not refuse.
                 Ok(place) => place,
                 Err(_) => {
-                    metrics::counter!("pigeon_connections_refused_total").increment(1);
-                    tokio::spawn(refuse(Placed::new(tcp, refusal_place), refusal.clone()));
+                    tokio::spawn(refuse(Placed::refused(tcp, refusal_place), refusal.clone()));
                     continue;
                 }
             },
@@ -135,7 +137,7 @@ pub async fn serve(
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .max_buf_size(MAX_HEAD_BUFFER);
             let conn = builder
-                .serve_connection(TokioIo::new(Placed::new(tcp, place)), service)
+                .serve_connection(TokioIo::new(Placed::served(tcp, place)), service)
                 .with_upgrades();
             tokio::pin!(conn);
             let mut stopping = false;
@@ -188,24 +190,40 @@ async fn refuse(socket: Placed, refusal: Router) {
 }
 
 /// A socket with its place among the connections open at once: the place is given back as
-/// the socket closes, also when a WebSocket upgrade has taken the socket over. Counted in
-/// `pigeon_open_connections` (refusals in `pigeon_connections_refused_total`), so an
-/// operator sees the bound coming.
+/// the socket closes, also when a WebSocket upgrade has taken the socket over. Those
+/// served are counted in `pigeon_tcp_connections`, so an operator sees the bound coming
+/// (refusals in `pigeon_connections_refused_total`).
 struct Placed {
     tcp: TcpStream,
     _place: OwnedSemaphorePermit,
+    served: bool,
 }
 
 impl Placed {
-    fn new(tcp: TcpStream, place: OwnedSemaphorePermit) -> Placed {
-        metrics::gauge!("pigeon_open_connections").increment(1.0);
-        Placed { tcp, _place: place }
+    fn served(tcp: TcpStream, place: OwnedSemaphorePermit) -> Placed {
+        metrics::gauge!("pigeon_tcp_connections").increment(1.0);
+        Placed {
+            tcp,
+            _place: place,
+            served: true,
+        }
+    }
+
+    fn refused(tcp: TcpStream, place: OwnedSemaphorePermit) -> Placed {
+        metrics::counter!("pigeon_connections_refused_total").increment(1);
+        Placed {
+            tcp,
+            _place: place,
+            served: false,
+        }
     }
 }
 
 impl Drop for Placed {
     fn drop(&mut self) {
-        metrics::gauge!("pigeon_open_connections").decrement(1.0);
+        if self.served {
+            metrics::gauge!("pigeon_tcp_connections").decrement(1.0);
+        }
     }
 }
 

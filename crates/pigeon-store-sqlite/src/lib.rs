@@ -122,8 +122,7 @@ impl Drop for Inner {
     }
 }
 
-const MAX_IDLE_READERS: usize = 8;
-/// Queries (every read but the engine's loads) running at once; more wait their turn,
+/// Queries (every read but the lookups by key and the engine's loads) running at once; more wait their turn,
 /// first come first served, holding no thread. Each running one holds a blocking thread
 /// and a read connection (two file descriptors, a 16 MB page cache): unbounded, a burst of
 /// slow queries (a user in many conversations asking for unread counts again and again)
@@ -131,12 +130,16 @@ const MAX_IDLE_READERS: usize = 8;
 /// and the engine's loads, which every send may need, queued behind them. The loads do not
 /// take a place, so queries never hold up a decision. Two cores run no more than this at
 /// once anyway.
-pub const MAX_QUERIES_AT_ONCE: usize = MAX_IDLE_READERS;
+pub const MAX_QUERIES_AT_ONCE: usize = 8;
 /// Lookups of one row by its key (a user, a membership, a cursor, the state a connection
 /// starts from) running at once: a lane apart from the queries', so that a WebSocket's
 /// `hello`, a token check or `/readyz` never waits behind a queue of slow lists and counts.
 /// Bounded for the same reasons.
-pub const MAX_LOOKUPS_AT_ONCE: usize = MAX_IDLE_READERS;
+pub const MAX_LOOKUPS_AT_ONCE: usize = 8;
+/// Read connections kept open between reads: one for every place, and one for the loads,
+/// so that reads in both lanes at once do not open and close connections (and lose their
+/// prepared statements).
+const MAX_IDLE_READERS: usize = MAX_QUERIES_AT_ONCE + MAX_LOOKUPS_AT_ONCE + 1;
 /// Journaled bytes the tables may lag behind before sends wait: what bounds the memory the
 /// unapplied batches hold.
 pub const DEFAULT_BACKLOG_BYTES: usize = 64 << 20;
@@ -929,16 +932,22 @@ mod tests {
         use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
         let dir = temp_dir("lookup-lane");
         let store = SqliteStore::open(&dir, Durability::Os).unwrap();
-        let (running, ended) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let running = Arc::new(AtomicUsize::new(0));
+        // The slow queries run until the gate opens, after the lookup has answered: a
+        // lookup that waited for a query place would never answer.
+        let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
         let slow: Vec<_> = (0..MAX_QUERIES_AT_ONCE + 2)
             .map(|_| {
-                let (store, running, ended) = (store.clone(), running.clone(), ended.clone());
+                let (store, running, gate) = (store.clone(), running.clone(), gate.clone());
                 tokio::spawn(async move {
                     store
                         .read(move |_| {
                             running.fetch_add(1, SeqCst);
-                            std::thread::sleep(std::time::Duration::from_millis(500));
-                            ended.fetch_add(1, SeqCst);
+                            let (open, opened) = &*gate;
+                            let mut open = open.lock().unwrap();
+                            while !*open {
+                                open = opened.wait(open).unwrap();
+                            }
                             Ok(())
                         })
                         .await
@@ -948,8 +957,19 @@ mod tests {
         while running.load(SeqCst) < MAX_QUERIES_AT_ONCE {
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
-        assert!(store.user(UserId::new(1).unwrap()).await.unwrap().is_none());
-        assert_eq!(ended.load(SeqCst), 0, "the lookup waited for a slow query");
+        let looked_up = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            store.user(UserId::new(1).unwrap()),
+        )
+        .await;
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        assert!(
+            looked_up
+                .expect("the lookup waited for a query place")
+                .unwrap()
+                .is_none()
+        );
         for q in slow {
             q.await.unwrap().unwrap();
         }

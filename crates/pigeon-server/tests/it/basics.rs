@@ -40,7 +40,8 @@ async fn health_ready_metrics_and_openapi_answer() {
         "pigeon_apply_seconds_bucket",
         "pigeon_apply_batches_bucket",
         "pigeon_read_wait_seconds_bucket",
-        "pigeon_open_connections",
+        "pigeon_tcp_connections",
+        "pigeon_connections_refused_total",
     ] {
         assert!(text.contains(name), "{name} missing from: {text}");
     }

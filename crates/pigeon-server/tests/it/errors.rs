@@ -855,9 +855,15 @@ async fn a_place_freed_while_full_goes_to_the_next_client() {
         status_of_healthz(&addr).await,
         "HTTP/1.1 503 Service Unavailable"
     );
-    drop(held);
-    // The server sees the close within milliseconds; a second is a wide margin.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Once the client sees the server close it too, the server has let the socket, and its
+    // place, go.
+    let mut held = held;
+    held.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(WAIT, held.read_to_end(&mut rest))
+        .await
+        .expect("closed by the server")
+        .unwrap();
     assert_eq!(status_of_healthz(&addr).await, "HTTP/1.1 200 OK");
 }
 
