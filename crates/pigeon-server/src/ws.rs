@@ -108,7 +108,12 @@ pub async fn upgrade(
                 // (as it came and as a local), and a whole WebSocket is 368 bytes against
                 // 64 for its halves, in every connection's task for its whole life.
                 let codec = Codec::of(&socket);
-                run(app, peer, codec, socket.split())
+                // A task of its own rather than the one axum upgraded in, whose future
+                // wraps this one with axum's state for the connection's whole life (1 920
+                // bytes a connection against 1 520 for `run`'s alone, heaptrack); that
+                // task ends here.
+                tokio::spawn(run(app, peer, codec, socket.split()));
+                std::future::ready(())
             }),
         Err(e) => e.into_response(),
     }
