@@ -188,6 +188,10 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
     })
 }
 
+/// How long a stopping server waits for its WebSocket connections to save their positions
+/// and close.
+const CONNECTIONS_CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Running {
     /// Stops accepting, closes every connection with a close frame, waits for in-flight
     /// requests, then for every queued write to commit.
@@ -195,6 +199,13 @@ impl Running {
         self.app.draining.store(true, Ordering::SeqCst);
         let _ = self.app.shutdown.send(true);
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), self.serve).await;
+        // Each WebSocket saves its device's acknowledged position as it closes, and leaves
+        // the hub once that is committed: the last flush waits for them (a stuck one for a
+        // few seconds at most), rather than racing them to the store's close.
+        let deadline = tokio::time::Instant::now() + CONNECTIONS_CLOSE_WAIT;
+        while self.app.hub.connection_count() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         if let Err(e) = self.app.pipeline.flush().await {
             tracing::warn!(error = %e, "final flush failed");
         }

@@ -284,6 +284,43 @@ async fn a_new_connection_of_a_device_sees_the_acks_its_open_old_one_holds() {
     drop(old);
 }
 
+/// A server that stops keeps what its connections acknowledged: each WebSocket saves its
+/// device's position as it closes (positions are otherwise saved once a second), and the
+/// stop waits for those saves before its last commit rather than racing them to the
+/// store's close. A device back after the restart is not sent again what it acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_server_keeps_the_positions_its_connections_acknowledged() {
+    const PHONES: usize = 90;
+    let s = spawn_with(|c| c.max_connections_per_user = PHONES + 1).await;
+    let alice = s.user(1).await;
+    let tb = s.token(2).await;
+    for i in 0..5 {
+        alice
+            .post("/v1/messages", &text_to_user(&format!("s{i}"), 2, "x"))
+            .await
+            .unwrap();
+    }
+    let mut phones = Vec::new();
+    for d in 0..PHONES {
+        let mut ws = s.ws(&tb, &format!("phone{d}")).await;
+        ws.send(&json!({"type": "ack", "user_seq": 4}))
+            .await
+            .unwrap();
+        // Taken (frames are handled in order), but saved only within the second, or as
+        // the connection closes.
+        let pong = request(&mut ws, json!({"type": "ping"}), 1).await;
+        assert_eq!(pong["type"], "pong");
+        phones.push(ws);
+    }
+    let s = s.restart().await;
+    for d in 0..PHONES {
+        let mut ws = s.ws(&tb, &format!("phone{d}")).await;
+        let r = request(&mut ws, json!({"type": "sync"}), 1).await;
+        assert_eq!(r["cursor"], 4, "phone{d}: {r}");
+    }
+    drop(phones);
+}
+
 #[tokio::test]
 async fn acks_move_the_device_cursor_forward_only_even_when_they_race() {
     let s = spawn_server().await;
