@@ -34,6 +34,11 @@ impl ApiError {
     pub fn not_member() -> Self {
         Self::new(ErrorCode::NotMember, "not a member of this conversation")
     }
+    /// The server holds all the connections it may: an upgrade past `--max-connections`,
+    /// or any connection past `--max-open-connections`.
+    pub fn server_full() -> Self {
+        Self::new(ErrorCode::Unavailable, "too many connections; retry later")
+    }
     pub fn not_found(what: &str) -> Self {
         Self::new(ErrorCode::NotFound, format!("{what} not found"))
     }

@@ -86,13 +86,27 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn the_soft_limit_is_raised_to_the_hard_one() {
-        let soft = raise_limit().expect("the limit is readable");
         let mut lim = libc::rlimit {
             rlim_cur: 0,
             rlim_max: 0,
         };
         #[allow(unsafe_code)]
         // SAFETY: as in `raise_limit`: one `rlimit` written into `lim`, which outlives the call.
+        let r = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+        assert_eq!(r, 0);
+        // Below the hard limit first (by one: other tests of this process open files), so
+        // that the raise has something to do.
+        let lowered = libc::rlimit {
+            rlim_cur: lim.rlim_max.min(1 << 20).saturating_sub(1),
+            rlim_max: lim.rlim_max,
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: setrlimit only reads `lowered`, a valid value that outlives the call.
+        let r = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lowered) };
+        assert_eq!(r, 0);
+        let soft = raise_limit().expect("the limit is readable");
+        #[allow(unsafe_code)]
+        // SAFETY: as above.
         let r = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
         assert_eq!(r, 0);
         #[allow(clippy::unnecessary_cast)]

@@ -37,8 +37,6 @@ const FULL_WARNING_EVERY: Duration = Duration::from_secs(60);
 const MAX_REFUSING_AT_ONCE: usize = 32;
 /// How long a refused connection may take to send its request's head.
 const REFUSAL_HEAD_TIMEOUT: Duration = Duration::from_secs(2);
-/// When a refused client is told to try again (as a user past their own connections is).
-const RETRY_AFTER_FULL_MS: u64 = 5_000;
 
 /// How many connections are refused at once with `max_open` places: one for every 64
 /// places, between 1 and 32, so that a small server (a low open-file limit, a small
@@ -168,11 +166,9 @@ pub async fn serve(
 /// The answer to every request of a connection accepted while every place is taken.
 fn full() -> axum::response::Response {
     use axum::response::IntoResponse;
-    let mut e = crate::error::ApiError::new(
-        pigeon_proto::ErrorCode::Unavailable,
-        "too many connections; retry later",
-    );
-    e.retry_after_ms = Some(RETRY_AFTER_FULL_MS);
+    let mut e = crate::error::ApiError::server_full();
+    // As a user past their own connections is told.
+    e.retry_after_ms = Some(crate::ws::RETRY_AFTER_TOO_MANY_MS);
     e.into_response()
 }
 

@@ -63,8 +63,8 @@ const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
 /// How long a new connection waits for the other connections of its device to queue their
 /// acknowledged positions (`Outgoing::SaveCursors`).
 const SIBLING_SAVE_WAIT: Duration = Duration::from_secs(1);
-/// The wait a client refused for holding too many connections is told to make.
-const RETRY_AFTER_TOO_MANY_MS: u64 = 5_000;
+/// The wait a client refused for holding, or finding, too many connections is told to make.
+pub(crate) const RETRY_AFTER_TOO_MANY_MS: u64 = 5_000;
 /// How long a connection this server closes may take, from its close frame to letting the
 /// socket go (see [`await_close_reply`]).
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
@@ -181,9 +181,7 @@ async fn authorize(
             app.cfg.max_connections_per_user,
         )
         .map_err(|refused| match refused {
-            Refused::Server => {
-                ApiError::new(ErrorCode::Unavailable, "too many connections; retry later")
-            }
+            Refused::Server => ApiError::server_full(),
             Refused::User => {
                 let mut e = ApiError::new(
                     ErrorCode::RateLimited,

@@ -236,12 +236,7 @@ async fn a_device_whose_socket_dropped_resumes_from_its_last_ack() {
     let s = spawn_server().await;
     let alice = s.user(1).await;
     let tb = s.token(2).await;
-    for i in 0..12 {
-        alice
-            .post("/v1/messages", &text_to_user(&format!("d{i}"), 2, "x"))
-            .await
-            .unwrap();
-    }
+    post_texts(&alice, "d", 2, 12, "x").await;
     for (round, acked) in [3u64, 5, 8, 9, 12].into_iter().enumerate() {
         let mut ws = s.ws(&tb, "phone").await;
         ws.send(&json!({"type": "ack", "user_seq": acked}))
@@ -265,12 +260,7 @@ async fn a_new_connection_of_a_device_sees_the_acks_its_open_old_one_holds() {
     let s = spawn_server().await;
     let alice = s.user(1).await;
     let tb = s.token(2).await;
-    for i in 0..5 {
-        alice
-            .post("/v1/messages", &text_to_user(&format!("h{i}"), 2, "x"))
-            .await
-            .unwrap();
-    }
+    post_texts(&alice, "h", 2, 5, "x").await;
     let mut old = s.ws(&tb, "phone").await;
     old.send(&json!({"type": "ack", "user_seq": 4}))
         .await
@@ -294,12 +284,7 @@ async fn a_stopping_server_keeps_the_positions_its_connections_acknowledged() {
     let s = spawn_with(|c| c.max_connections_per_user = PHONES + 1).await;
     let alice = s.user(1).await;
     let tb = s.token(2).await;
-    for i in 0..5 {
-        alice
-            .post("/v1/messages", &text_to_user(&format!("s{i}"), 2, "x"))
-            .await
-            .unwrap();
-    }
+    post_texts(&alice, "s", 2, 5, "x").await;
     let mut phones = Vec::new();
     for d in 0..PHONES {
         let mut ws = s.ws(&tb, &format!("phone{d}")).await;
@@ -326,12 +311,7 @@ async fn acks_move_the_device_cursor_forward_only_even_when_they_race() {
     let s = spawn_server().await;
     let alice = s.user(1).await;
     let tb = s.token(2).await;
-    for i in 0..10 {
-        alice
-            .post("/v1/messages", &text_to_user(&format!("c{i}"), 2, "x"))
-            .await
-            .unwrap();
-    }
+    post_texts(&alice, "c", 2, 10, "x").await;
     let mut c1 = s.ws(&tb, "phone").await;
     let mut c2 = s.ws(&tb, "phone").await;
     let (r1, r2) = tokio::join!(
@@ -496,12 +476,7 @@ async fn long_poll_answers_as_soon_as_something_arrives() {
     );
     // `limit` (default 100, at most 200) cuts the items short; `user_seq` stays the newest
     // and `has_more` says more is waiting after the last item.
-    for i in 0..4 {
-        alice
-            .post("/v1/messages", &text_to_user(&format!("lp-{i}"), 2, "more"))
-            .await
-            .unwrap();
-    }
+    post_texts(&alice, "lp-", 2, 4, "more").await;
     let r = bob.get("/v1/sync?user_seq=1&limit=2").await.unwrap();
     let seqs: Vec<u64> = r["items"]
         .as_array()
@@ -832,12 +807,7 @@ async fn an_ack_past_the_newest_seq_does_not_skip_what_comes_next() {
     let t = s.token(642).await;
     let _ = s.user(643).await;
     let g = new_group_named(&owner, "acks", &[642, 643]).await;
-    for i in 0..2 {
-        owner
-            .post("/v1/messages", &text_to_user(&format!("a{i}"), 642, "x"))
-            .await
-            .unwrap();
-    }
+    post_texts(&owner, "a", 642, 2, "x").await;
     owner
         .post("/v1/messages", &text_to_conv("g0", &g, "x"))
         .await

@@ -143,6 +143,19 @@ impl TestServer {
     }
 }
 
+/// Sends `n` texts from `h`'s user to `to` over HTTP, one after another (client_msg_ids
+/// `{prefix}0`, `{prefix}1`, ...).
+pub async fn post_texts(h: &Http, prefix: &str, to: u64, n: usize, content: &str) {
+    for i in 0..n {
+        h.post(
+            "/v1/messages",
+            &text_to_user(&format!("{prefix}{i}"), to, content),
+        )
+        .await
+        .unwrap();
+    }
+}
+
 /// A text send body.
 pub fn text_to_user(cmid: &str, to: u64, content: &str) -> Value {
     json!({"client_msg_id": cmid, "to": {"user": to}, "kind": "text", "content": content})

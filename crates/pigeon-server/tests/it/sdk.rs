@@ -174,12 +174,7 @@ async fn a_client_without_local_state_resumes_from_the_server_side_cursor() {
     let s = spawn_server().await;
     let alice = s.user(1).await;
     let tb = s.token(2).await;
-    for i in 0..5 {
-        alice
-            .post("/v1/messages", &text_to_user(&format!("a{i}"), 2, "early"))
-            .await
-            .unwrap();
-    }
+    post_texts(&alice, "a", 2, 5, "early").await;
     let (client, shown) = start_client(sdk_config(&s.ws_base, &tb, "phone"));
     for _ in 0..100 {
         if shown.lock().unwrap().get("1-2").map_or(0, |v| v.len()) == 5 {
