@@ -834,6 +834,13 @@ impl Engine {
         // A dismissed group is read-only: nobody is kicked from it or quits it (a member who
         // no longer wants to see it hides it).
         still_open(conv)?;
+        // Rights before the target, as for mutes: a plain member who names someone else is
+        // refused (`forbidden`) whether or not that user is in the group.
+        if actor != user && !actor_role.manages() {
+            return Err(DomainError::Forbidden(
+                "only the owner and admins remove members".into(),
+            ));
+        }
         let target_role = conv
             .members
             .get(&user)
@@ -847,11 +854,6 @@ impl Engine {
             }
             (MessageKind::MemberQuit, json!({"user": user}))
         } else {
-            if !actor_role.manages() {
-                return Err(DomainError::Forbidden(
-                    "only the owner and admins remove members".into(),
-                ));
-            }
             if !outranks(actor_role, target_role) {
                 return Err(DomainError::Forbidden(
                     "cannot remove a member of equal or higher role".into(),

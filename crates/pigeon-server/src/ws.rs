@@ -558,7 +558,7 @@ async fn run(
     }
     // The settings below are read from the config where they are used, not kept in locals:
     // every local that lives across an await is in every connection's task (80 bytes).
-    let timer = tokio::time::sleep(conn.heartbeat() / 2);
+    let timer = tokio::time::sleep_until(conn.silence_deadline());
     tokio::pin!(timer);
     let kill = conn.outbox.clone();
     let stop = loop {
@@ -670,11 +670,18 @@ async fn run(
                 }
             }
             _ = &mut timer => {
-                timer.as_mut().reset(tokio::time::Instant::now() + conn.heartbeat() / 2);
                 if conn.last_seen.elapsed() > conn.heartbeat() * 2 {
                     break Stop::Close(1001, "heartbeat timeout");
                 }
-                let resend = conn.due_resends();
+                // From here the timer is pulled earlier as needed: by the next push to come
+                // due, and at the loop's top by whatever else is pending.
+                timer.as_mut().reset(conn.silence_deadline());
+                let (resend, next_due) = conn.due_resends();
+                if let Some(due) = next_due.map(tokio::time::Instant::from_std)
+                    && due < timer.deadline()
+                {
+                    timer.as_mut().reset(due);
+                }
                 let write = async {
                     for frame in resend {
                         if sink.feed(codec.message(frame)).await.is_err() {
@@ -782,28 +789,31 @@ impl Connection {
         }
     }
 
-    /// Pushes unacknowledged for longer than `retry`, to send again; those tried enough are
-    /// dropped (the client finds the hole and pulls).
-    fn due_resends(&mut self) -> Vec<Utf8Bytes> {
+    /// Pushes unacknowledged for `retry` or longer, to send again (those tried enough are
+    /// dropped: the client finds the hole and pulls), and when the next of the others comes
+    /// due, so that each is sent again `retry` after it was sent, not at a later tick.
+    fn due_resends(&mut self) -> (Vec<Utf8Bytes>, Option<Instant>) {
         let retry = self.push_retry();
         let now = Instant::now();
         let mut out = Vec::new();
+        let mut next_due: Option<Instant> = None;
         self.unacked.retain(|_, p| {
-            if now.duration_since(p.sent_at) < retry {
-                return true;
+            if now.duration_since(p.sent_at) >= retry {
+                if p.tries >= MAX_PUSH_TRIES {
+                    return false;
+                }
+                p.tries += 1;
+                p.sent_at = now;
+                out.push(p.frame.clone());
             }
-            if p.tries >= MAX_PUSH_TRIES {
-                return false;
-            }
-            p.tries += 1;
-            p.sent_at = now;
-            out.push(p.frame.clone());
+            let due = p.sent_at + retry;
+            next_due = Some(next_due.map_or(due, |d| d.min(due)));
             true
         });
         if !out.is_empty() {
             metrics::counter!("pigeon_push_resends_total").increment(out.len() as u64);
         }
-        out
+        (out, next_due)
     }
 
     fn bad_frame(&mut self, req: Option<i64>, message: &str) -> Vec<String> {
@@ -1149,19 +1159,29 @@ impl Connection {
         Duration::from_millis(self.app.cfg.push_retry_ms)
     }
 
-    /// When the connection's one timer must fire next: as often as there is something to
-    /// do (resends while pushes are unacknowledged, a cursor flush while one is pending),
-    /// otherwise for the heartbeat check. Idle connections wake twice a heartbeat, not four
-    /// times a retry.
+    /// The latest the connection's one timer may fire from the loop's top: the client's
+    /// silence limit, a retry from now while pushes wait for their acknowledgement (the
+    /// first push after none sets it; when it fires, `due_resends` says when the next push
+    /// comes due), a cursor flush while one is pending. The loop only ever moves the timer
+    /// earlier, so this is cheap to ask on every frame; an idle connection wakes about once
+    /// per heartbeat its client sends.
     fn next_wake(&self) -> tokio::time::Instant {
-        let wait = if !self.unacked.is_empty() {
-            (self.push_retry() / 4).clamp(Duration::from_millis(10), Duration::from_millis(1000))
-        } else if self.cursors_dirty {
-            CURSOR_FLUSH_EVERY
-        } else {
-            self.heartbeat() / 2
-        };
-        tokio::time::Instant::now() + wait
+        let now = tokio::time::Instant::now();
+        let mut at = self.silence_deadline();
+        if !self.unacked.is_empty() {
+            at = at.min(now + self.push_retry());
+        }
+        if self.cursors_dirty {
+            at = at.min(now + CURSOR_FLUSH_EVERY);
+        }
+        at
+    }
+
+    /// When a client that sends nothing more has been silent for more than two heartbeats
+    /// (PROTOCOL.md 5: it is closed then, not at the next tick of a coarser timer).
+    fn silence_deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::from_std(self.last_seen + self.heartbeat() * 2)
+            + Duration::from_millis(1)
     }
 
     /// Notes again queues this connection's commands went to (a barrier left unfinished).

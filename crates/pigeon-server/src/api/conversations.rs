@@ -1,7 +1,7 @@
 //! Conversations over HTTP: the list, one conversation, history pages, read marks, receipts,
 //! settings, unread counts, and the long-polling pull-mode sync.
 
-use super::{ApiJson, ApiPath, ApiQuery, AuthUser, WritingUser, run_then_view};
+use super::{ApiJson, ApiPath, ApiQuery, AuthUser, WritingUser, page_limit, run_then_view};
 use crate::app::{AppRef, PULL_MAX, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
@@ -18,12 +18,14 @@ const LIST_DEFAULT: u32 = 50;
 const LIST_MAX: u32 = 200;
 const HISTORY_DEFAULT: u32 = 20;
 const HISTORY_MAX: u32 = 100;
+const SYNC_DEFAULT: u32 = 100;
 const RANGE_MAX: u64 = 200;
 const WAIT_MAX_MS: u64 = 30_000;
 
 #[derive(Deserialize)]
 pub struct ListQuery {
-    limit: Option<u32>,
+    /// A u64, so that a limit past u32 is cut to the cap rather than refused.
+    limit: Option<u64>,
     cursor: Option<String>,
 }
 
@@ -63,11 +65,7 @@ pub async fn list(
     State(app): State<AppRef>,
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> ApiResult<Json<Value>> {
-    let limit = q.limit.unwrap_or(LIST_DEFAULT);
-    if limit == 0 {
-        return Err(ApiError::invalid("limit must be at least 1"));
-    }
-    let limit = limit.min(LIST_MAX);
+    let limit = page_limit(q.limit, LIST_DEFAULT, LIST_MAX)?;
     let after = q
         .cursor
         .as_deref()
@@ -98,7 +96,8 @@ pub async fn one(
 
 #[derive(Deserialize)]
 pub struct HistoryParams {
-    limit: Option<u32>,
+    /// A u64, so that a limit past u32 is cut to the cap rather than refused.
+    limit: Option<u64>,
     before: Option<u64>,
     after: Option<u64>,
     from_time: Option<i64>,
@@ -112,10 +111,7 @@ pub async fn history(
     ApiQuery(q): ApiQuery<HistoryParams>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
-    let limit = q.limit.unwrap_or(HISTORY_DEFAULT);
-    if limit == 0 {
-        return Err(ApiError::invalid("limit must be at least 1"));
-    }
+    let limit = page_limit(q.limit, HISTORY_DEFAULT, HISTORY_MAX)?;
     let anchor = match (q.before, q.after) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid("give at most one of before and after"));
@@ -131,7 +127,7 @@ pub async fn history(
     }
     let query = HistoryQuery {
         anchor,
-        limit: limit.min(HISTORY_MAX),
+        limit,
         from_time: q.from_time,
         to_time: q.to_time,
     };
@@ -152,16 +148,18 @@ pub async fn range(
     ApiQuery(q): ApiQuery<RangeParams>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
-    if q.from == 0 || q.from > q.to {
-        return Err(ApiError::invalid("need 1 <= from <= to"));
+    // Seqs start at 1; `from: 0` means the chain's start, as in a WebSocket `pull`.
+    let first = q.from.max(1);
+    if first > q.to {
+        return Err(ApiError::invalid("need from <= to"));
     }
-    if q.to - q.from + 1 > RANGE_MAX {
+    if q.to - first + 1 > RANGE_MAX {
         return Err(ApiError::invalid(format!(
             "a range holds at most {RANGE_MAX} messages"
         )));
     }
-    let (lo, hi) = app.readable_range(me, &conv, Some(q.from)).await?;
-    let (from, to) = (q.from.max(lo), q.to.min(hi));
+    let (lo, hi) = app.readable_range(me, &conv, Some(first)).await?;
+    let (from, to) = (first.max(lo), q.to.min(hi));
     let messages = if from > to {
         Vec::new()
     } else {
@@ -301,11 +299,7 @@ pub async fn sync(
             "wait_ms must be 0..={WAIT_MAX_MS}"
         )));
     }
-    let limit = q.limit.unwrap_or(100);
-    if limit == 0 {
-        return Err(ApiError::invalid("limit must be at least 1"));
-    }
-    let limit = limit.min(PULL_MAX) as u32;
+    let limit = page_limit(q.limit, SYNC_DEFAULT, PULL_MAX as u32)?;
     let after = q.user_seq.unwrap_or(0);
     let device = DeviceId::parse(HTTP_DEVICE).expect("a valid device id");
     // Register interest before looking, so that a message committed in between wakes us.

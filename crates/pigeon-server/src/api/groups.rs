@@ -231,10 +231,15 @@ pub async fn dismiss(
     .await
 }
 
+/// A member list page: 100 members unless asked, at most 1 000.
+const MEMBERS_DEFAULT: u32 = 100;
+const MEMBERS_MAX: u32 = 1000;
+
 #[derive(Deserialize)]
 pub struct MembersQuery {
     cursor: Option<String>,
-    limit: Option<u32>,
+    /// A u64, so that a limit past u32 is cut to the cap rather than refused.
+    limit: Option<u64>,
 }
 
 pub async fn members(
@@ -252,11 +257,7 @@ pub async fn members(
     if !conv.is_group() {
         return Err(ApiError::invalid("not a group"));
     }
-    let limit = q.limit.unwrap_or(100);
-    if limit == 0 {
-        return Err(ApiError::invalid("limit must be at least 1"));
-    }
-    let limit = limit.min(1000);
+    let limit = super::page_limit(q.limit, MEMBERS_DEFAULT, MEMBERS_MAX)?;
     let after = match q.cursor.as_deref().filter(|c| !c.is_empty()) {
         Some(c) => Some(
             path_user(c).map_err(|_| ApiError::invalid("cursor is not one this server gave"))?,

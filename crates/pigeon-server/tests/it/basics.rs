@@ -859,6 +859,31 @@ async fn a_silent_connection_is_closed_with_1001_after_two_heartbeats() {
     assert_eq!(talker.closed(WAIT).await, Some(1001));
 }
 
+/// PROTOCOL.md 5: "A connection silent for more than two heartbeats is closed": counted
+/// from its last frame, and at that moment, not at a later tick of a coarser timer (the
+/// server once checked every half heartbeat, closing up to half a heartbeat late).
+#[tokio::test]
+async fn the_silence_limit_is_two_heartbeats_from_the_last_frame() {
+    let s = spawn_with(|c| c.heartbeat_ms = 1600).await;
+    let t = s.token(113).await;
+    let mut ws = s.ws(&t, "d").await;
+    let start = std::time::Instant::now();
+    // Between two of the old half-heartbeat ticks (0.8 s apart), which then closed it at
+    // 5.6 s, not at 5.2.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let pong = request(&mut ws, json!({"type": "ping"}), 1).await;
+    assert_eq!(pong["type"], "pong");
+    let pinged = start.elapsed();
+    assert_eq!(ws.closed(WAIT).await, Some(1001));
+    let silent = start.elapsed() - pinged;
+    // Two heartbeats after the ping (less its own round trip), with room for a loaded
+    // machine's scheduling.
+    assert!(
+        silent >= Duration::from_millis(3150) && silent < Duration::from_millis(3500),
+        "closed {silent:?} after the ping"
+    );
+}
+
 /// PROTOCOL.md 5: "A client may put an integer `req` in any request; the reply to it carries
 /// the same `req`". A request whose success has no frame of its own (`read`, `ack`,
 /// `typing`, the room frames) is answered `{"type":"ok","req":N}` when it carries one (a

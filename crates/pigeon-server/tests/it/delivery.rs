@@ -225,6 +225,39 @@ async fn unacknowledged_pushes_are_resent_and_acknowledged_ones_are_not() {
     assert!((2..=4).contains(&sends), "sent {sends} times");
 }
 
+/// PROTOCOL.md 4: "The server resends pushes that are not acknowledged within
+/// `push-retry-ms`": each push is sent again that long after it was sent, neither sooner
+/// (a client acknowledging within the time sees no resend) nor at a later tick (the server
+/// once checked every quarter retry, so a push sent between two checks waited for the next).
+#[tokio::test]
+async fn each_push_is_resent_push_retry_ms_after_it_was_sent() {
+    let s = spawn_with(|c| c.push_retry_ms = 2000).await;
+    let alice = s.user(11).await;
+    let tb = s.token(12).await;
+    let mut b = s.ws(&tb, "b").await;
+    let mut pushed = Vec::new();
+    for (i, pause) in [(1, 0), (2, 250)] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        alice
+            .post(
+                "/v1/messages",
+                &text_to_user(&format!("r{i}"), 12, &format!("m{i}")),
+            )
+            .await
+            .unwrap();
+        pushed.push((next_msg(&mut b).await, std::time::Instant::now()));
+    }
+    for (frame, at) in pushed {
+        let again = next_msg(&mut b).await;
+        let took = at.elapsed();
+        assert_eq!(again, frame, "resent in the order they were sent");
+        assert!(
+            took >= Duration::from_millis(1950) && took < Duration::from_millis(2200),
+            "resent {took:?} after the push"
+        );
+    }
+}
+
 /// PROTOCOL.md 4: the server "remembers each device's acknowledged position", so a device
 /// that reconnects resumes where it stopped, also when its socket dropped without the close
 /// handshake and it reconnects at once: the dropped connection saves its acks as it ends,

@@ -655,6 +655,16 @@ async fn the_owner_appoints_admins_who_kick_members_but_not_admins() {
         code_of(carol.delete(&format!("/v1/groups/{id}/members/555")).await),
         "forbidden"
     );
+    // Rights come before the target: a plain member naming a non-member is refused as
+    // `forbidden`; the owner naming one is told `not_found`.
+    assert_eq!(
+        code_of(carol.delete(&format!("/v1/groups/{id}/members/999")).await),
+        "forbidden"
+    );
+    assert_eq!(
+        code_of(alice.delete(&format!("/v1/groups/{id}/members/999")).await),
+        "not_found"
+    );
     bob.delete(&format!("/v1/groups/{id}/members/333"))
         .await
         .expect("the demoted member can be kicked by an admin");

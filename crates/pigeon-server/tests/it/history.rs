@@ -45,7 +45,13 @@ async fn pages_by_cursor_in_both_directions() {
     assert_eq!(page_seqs(&newest), vec![44, 45]);
     assert_eq!(newest["has_more"], false);
     let big = alice.get(&format!("{base}?limit=1000")).await.unwrap();
-    assert!(page_seqs(&big).len() <= 100);
+    assert_eq!(page_seqs(&big), (1..=45).collect::<Vec<_>>());
+    // "At most 100": a limit past any integer width is cut to the cap, not refused.
+    let huge = alice
+        .get(&format!("{base}?limit=99999999999"))
+        .await
+        .unwrap();
+    assert_eq!(page_seqs(&huge), (1..=45).collect::<Vec<_>>());
     assert_eq!(
         code_of(alice.get(&format!("{base}?before=5&after=2")).await),
         "invalid_argument"
@@ -72,6 +78,12 @@ async fn ranges_are_inclusive_and_bounded() {
         code_of(alice.get(&format!("{base}?from=5&to=4")).await),
         "invalid_argument"
     );
+    // Seqs start at 1: `from=0` is the chain's start, as in a WebSocket `pull`, and the
+    // width counts from there.
+    let r = alice.get(&format!("{base}?from=0&to=3")).await.unwrap();
+    assert_eq!(page_seqs(&r), vec![1, 2, 3]);
+    let r = alice.get(&format!("{base}?from=0&to=200")).await.unwrap();
+    assert_eq!(page_seqs(&r), (1..=12).collect::<Vec<_>>());
     assert_eq!(
         code_of(alice.get(&format!("{base}?from=5")).await),
         "invalid_argument"
