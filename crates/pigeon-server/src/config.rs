@@ -403,6 +403,56 @@ mod tests {
         assert_eq!(Config::default().max_connections_per_user, 100);
     }
 
+    /// PROTOCOL.md 2's table: the defaults of a server started with nothing given.
+    #[test]
+    fn nothing_given_is_the_protocol_s_defaults() {
+        let given_by_env = std::env::vars().any(|(k, _)| k.starts_with("PIGEON_"));
+        let cfg = if given_by_env {
+            Config::default()
+        } else {
+            Config::resolve(&ServeArgs::default()).unwrap()
+        };
+        assert_eq!(cfg.listen, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(cfg.data_dir, PathBuf::from("./data"));
+        assert_eq!(
+            cfg.admin_key, None,
+            "generated at start and kept in the data dir"
+        );
+        assert_eq!(cfg.fanout_write_max_members, 500);
+        assert_eq!(cfg.recall_window_secs, 120);
+        assert_eq!(cfg.edit_window_secs, 86_400);
+        assert_eq!(cfg.push_retry_ms, 3_000);
+        assert_eq!(cfg.max_content_bytes, 65_536);
+    }
+
+    /// The bounds PROTOCOL-EXTENSIONS.md's Limits gives for settings, each side of each.
+    #[test]
+    fn settings_are_refused_outside_their_bounds_and_taken_at_them() {
+        let with = |f: fn(&mut ServeArgs)| {
+            let mut args = ServeArgs::default();
+            f(&mut args);
+            Config::resolve(&args)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        for (refused, what) in [
+            (with(|a| a.max_content_bytes = Some(0)), "max-content-bytes"),
+            (
+                with(|a| a.max_content_bytes = Some((1 << 20) + 1)),
+                "max-content-bytes",
+            ),
+            (with(|a| a.push_retry_ms = Some(9)), "push-retry-ms"),
+            (with(|a| a.heartbeat_ms = Some(99)), "heartbeat-ms"),
+        ] {
+            let err = refused.unwrap_err();
+            assert!(err.contains(what), "{err}");
+        }
+        with(|a| a.max_content_bytes = Some(1)).unwrap();
+        with(|a| a.max_content_bytes = Some(1 << 20)).unwrap();
+        with(|a| a.push_retry_ms = Some(10)).unwrap();
+        with(|a| a.heartbeat_ms = Some(100)).unwrap();
+    }
+
     #[test]
     fn a_listen_name_binds_its_ipv4_address_when_it_has_one() {
         let v6: SocketAddr = "[::1]:8080".parse().unwrap();

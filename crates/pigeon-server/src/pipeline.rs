@@ -144,7 +144,22 @@ pub struct PipelineStats {
     pub inbox_rows: AtomicU64,
     pub member_rows: AtomicU64,
     pub conversation_rows: AtomicU64,
+    /// When the last commit failed ([`monotonic_ms`]), or 0 once one succeeded after it:
+    /// `/readyz` answers 503 while commits fail (a full disk, tables that cannot take the
+    /// journal's backlog), for up to [`COMMIT_FAILURE_UNREADY_MS`] after the last failure.
+    pub last_commit_failure_ms: AtomicU64,
 }
+
+/// Milliseconds on a clock that never goes back (from the first call, plus one: never 0).
+fn monotonic_ms() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+}
+
+/// How long one failed commit keeps `/readyz` at 503 when no commit comes after it: a
+/// balancer that sent its traffic elsewhere meanwhile would otherwise never let one
+/// through to find the store well again.
+pub const COMMIT_FAILURE_UNREADY_MS: u64 = 10_000;
 
 /// The sizes of one batch's changes, taken before they move into the commit.
 struct BatchCounts {
@@ -166,7 +181,16 @@ impl BatchCounts {
 }
 
 impl PipelineStats {
+    /// Whether a commit failed within [`COMMIT_FAILURE_UNREADY_MS`] with none succeeding since.
+    pub fn commits_failing(&self) -> bool {
+        let failed = self.last_commit_failure_ms.load(Ordering::Relaxed);
+        failed != 0 && monotonic_ms().saturating_sub(failed) < COMMIT_FAILURE_UNREADY_MS
+    }
+
     fn record(&self, commands: usize, c: &BatchCounts) {
+        if self.last_commit_failure_ms.load(Ordering::Relaxed) != 0 {
+            self.last_commit_failure_ms.store(0, Ordering::Relaxed);
+        }
         self.batches.fetch_add(1, Ordering::Relaxed);
         self.commands.fetch_add(commands as u64, Ordering::Relaxed);
         self.messages.fetch_add(c.messages, Ordering::Relaxed);
@@ -774,6 +798,9 @@ async fn commit(
         };
         if let Err(e) = committed {
             tracing::error!(error = %e, batch = n, "commit failed; batch refused and state reloaded");
+            stats
+                .last_commit_failure_ms
+                .store(monotonic_ms(), Ordering::Relaxed);
             let _ = outcomes.send(outcome(false));
             answer_all_unavailable(d.replies.into_iter().map(|(r, _)| r));
             continue;

@@ -7,7 +7,8 @@
 //! - With the journal's backlog full (a 1 KiB limit here), the next commit fails after its
 //!   wait, and the batch decided on top of it (the pipeline decides batch N+1 while batch N
 //!   commits) is refused with it: all `unavailable`, nothing of either stored, and seqs go on
-//!   from what the store holds, with no gap and no seq given twice.
+//!   from what the store holds, with no gap and no seq given twice. Meanwhile `/readyz`
+//!   answers 503, and 200 again once a commit goes through.
 
 use crate::*;
 use std::sync::Arc;
@@ -82,6 +83,14 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
         assert_eq!(reply["type"], "error", "{reply}");
         assert_eq!(reply["code"], "unavailable", "{reply}");
     }
+    // PROTOCOL.md 2: `/readyz` answers 503 when the server cannot serve; while commits
+    // fail it cannot take a message, however well it reads.
+    let anon = s.anon();
+    let (status, body) = anon
+        .raw(reqwest::Method::GET, "/readyz", None)
+        .await
+        .unwrap();
+    assert_eq!((status, &body["status"]), (503, &json!("commits failing")));
     holder.join().unwrap();
 
     // The store is the truth again: A reached the tables, the next message takes seq 3, and
@@ -93,6 +102,12 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
         (Some("send_ack"), Some(3)),
         "{c}"
     );
+    // A commit went through: ready again at once.
+    let (status, body) = anon
+        .raw(reqwest::Method::GET, "/readyz", None)
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
     let retry = request(&mut ws, send_frame(text_to_user("c2", 2, "two")), 5).await;
     assert_eq!(
         (retry["seq"].as_u64(), retry["duplicate"].as_bool()),
