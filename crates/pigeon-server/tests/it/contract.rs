@@ -8,7 +8,12 @@ use reqwest::Method;
 use serde_json::json;
 
 /// Any call; answers the HTTP status and the JSON body, whatever the status.
-async fn raw(h: &Http, method: Method, path: &str, body: Option<&Value>) -> (u16, Value) {
+pub(crate) async fn raw(
+    h: &Http,
+    method: Method,
+    path: &str,
+    body: Option<&Value>,
+) -> (u16, Value) {
     h.raw(method, path, body).await.expect("an answer")
 }
 
@@ -28,7 +33,7 @@ async fn burst_to_user(ws: &mut WsConn, prefix: &str, to: u64, n: i64) {
 }
 
 /// A new live room's id.
-async fn new_room(s: &TestServer) -> String {
+pub(crate) async fn new_room(s: &TestServer) -> String {
     s.admin.post("/v1/admin/rooms", &json!({})).await.unwrap()["room_id"]
         .as_str()
         .unwrap()

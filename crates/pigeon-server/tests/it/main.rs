@@ -5,6 +5,7 @@
 mod basics;
 mod concurrency;
 mod contract;
+mod contract_edges;
 mod delivery;
 mod errors;
 mod groups;
