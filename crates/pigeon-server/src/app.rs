@@ -17,8 +17,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Most items a pull returns.
-pub const PULL_MAX: u64 = 200;
-pub const PULL_DEFAULT: u64 = 100;
+pub const PULL_MAX: u32 = 200;
+pub const PULL_DEFAULT: u32 = 100;
+
+/// A page's `limit` (a `pull`'s, or an HTTP page's query parameter): `default` when absent,
+/// at least 1 (`limit=0` asks for nothing and is refused), cut to `max` when larger, up to
+/// the largest number it can be given as (2^64-1) (PROTOCOL.md: "capped", "at most").
+pub fn page_limit(asked: Option<u64>, default: u32, max: u32) -> Result<u32, ApiError> {
+    match asked {
+        None => Ok(default),
+        Some(0) => Err(ApiError::invalid("limit must be at least 1")),
+        Some(n) => Ok(n.min(u64::from(max)) as u32),
+    }
+}
 
 pub struct App {
     pub cfg: Config,
@@ -207,11 +218,7 @@ impl App {
         device: &DeviceId,
         f: &PullFrame,
     ) -> ApiResult<(Vec<ChainItem>, bool)> {
-        let limit = f.limit.unwrap_or(PULL_DEFAULT);
-        if limit == 0 {
-            return Err(ApiError::invalid("limit must be at least 1"));
-        }
-        let limit = limit.min(PULL_MAX) as u32;
+        let limit = page_limit(f.limit, PULL_DEFAULT, PULL_MAX)?;
         match f.chain {
             Chain::User => {
                 if f.conversation_id.is_some() {

@@ -266,7 +266,8 @@ fn query_params(method: &str, path: &str) -> Vec<Value> {
             q("to_time", false, json!({"type": "integer"})),
         ],
         ("get", "/v1/conversations/{id}/messages/range") => {
-            vec![q("from", true, int(1)), q("to", true, int(1))]
+            // `from=0` is the chain's start (seqs start at 1), as in a `pull`.
+            vec![q("from", true, int(0)), q("to", true, int(0))]
         }
         ("get", "/v1/conversations/{id}/receipts") => vec![q("seq", true, int(0))],
         ("get", "/v1/groups/{id}/members") => vec![

@@ -144,10 +144,11 @@ pub struct PipelineStats {
     pub inbox_rows: AtomicU64,
     pub member_rows: AtomicU64,
     pub conversation_rows: AtomicU64,
-    /// When the last commit failed ([`monotonic_ms`]), or 0 once one succeeded after it:
+    /// When the last commit failed ([`monotonic_ms`]), or 0 once a batch that wrote something
+    /// committed after it:
     /// `/readyz` answers 503 while commits fail (a full disk, tables that cannot take the
     /// journal's backlog), for up to [`COMMIT_FAILURE_UNREADY_MS`] after the last failure.
-    pub last_commit_failure_ms: AtomicU64,
+    last_commit_failure_ms: AtomicU64,
 }
 
 /// Milliseconds on a clock that never goes back (from the first call, plus one: never 0).
@@ -187,10 +188,18 @@ impl PipelineStats {
         failed != 0 && monotonic_ms().saturating_sub(failed) < COMMIT_FAILURE_UNREADY_MS
     }
 
-    fn record(&self, commands: usize, c: &BatchCounts) {
+    fn commit_failed(&self) {
+        self.last_commit_failure_ms
+            .store(monotonic_ms(), Ordering::Relaxed);
+    }
+
+    fn commit_succeeded(&self) {
         if self.last_commit_failure_ms.load(Ordering::Relaxed) != 0 {
             self.last_commit_failure_ms.store(0, Ordering::Relaxed);
         }
+    }
+
+    fn record(&self, commands: usize, c: &BatchCounts) {
         self.batches.fetch_add(1, Ordering::Relaxed);
         self.commands.fetch_add(commands as u64, Ordering::Relaxed);
         self.messages.fetch_add(c.messages, Ordering::Relaxed);
@@ -791,19 +800,23 @@ async fn commit(
         };
         let counts = BatchCounts::of(&d.changes);
         let commit_started = Instant::now();
-        let committed = if d.changes.is_empty() {
-            Ok(())
-        } else {
+        let wrote = !d.changes.is_empty();
+        let committed = if wrote {
             store.commit(d.changes).await
+        } else {
+            Ok(())
         };
         if let Err(e) = committed {
             tracing::error!(error = %e, batch = n, "commit failed; batch refused and state reloaded");
-            stats
-                .last_commit_failure_ms
-                .store(monotonic_ms(), Ordering::Relaxed);
+            stats.commit_failed();
             let _ = outcomes.send(outcome(false));
             answer_all_unavailable(d.replies.into_iter().map(|(r, _)| r));
             continue;
+        }
+        if wrote {
+            // Only a batch that reached the store shows it takes writes again (a barrier or a
+            // duplicate send writes nothing).
+            stats.commit_succeeded();
         }
         let _ = outcomes.send(outcome(true));
         metrics::histogram!("pigeon_store_commit_seconds")

@@ -677,10 +677,15 @@ async fn run(
                 // due, and at the loop's top by whatever else is pending.
                 timer.as_mut().reset(conn.silence_deadline());
                 let (resend, next_due) = conn.due_resends();
-                if let Some(due) = next_due.map(tokio::time::Instant::from_std)
-                    && due < timer.deadline()
-                {
-                    timer.as_mut().reset(due);
+                if let Some(due) = next_due {
+                    // Not sooner than a step from now: each wake scans every unacknowledged
+                    // push, and a client that never acknowledges, sent a push a millisecond,
+                    // would otherwise have its connection scan them a thousand times a second.
+                    let due = tokio::time::Instant::from_std(due)
+                        .max(tokio::time::Instant::now() + conn.resend_step());
+                    if due < timer.deadline() {
+                        timer.as_mut().reset(due);
+                    }
                 }
                 let write = async {
                     for frame in resend {
@@ -1159,10 +1164,16 @@ impl Connection {
         Duration::from_millis(self.app.cfg.push_retry_ms)
     }
 
+    /// The least time between two wakes for resends: a twentieth of the retry, at most
+    /// 50 ms (so a push is resent at most that much after it came due, never before).
+    fn resend_step(&self) -> Duration {
+        (self.push_retry() / 20).min(Duration::from_millis(50))
+    }
+
     /// The latest the connection's one timer may fire from the loop's top: the client's
     /// silence limit, a retry from now while pushes wait for their acknowledgement (the
     /// first push after none sets it; when it fires, `due_resends` says when the next push
-    /// comes due), a cursor flush while one is pending. The loop only ever moves the timer
+    /// comes due), a second after the last cursor save while one is pending. The loop only ever moves the timer
     /// earlier, so this is cheap to ask on every frame; an idle connection wakes about once
     /// per heartbeat its client sends.
     fn next_wake(&self) -> tokio::time::Instant {
@@ -1172,7 +1183,10 @@ impl Connection {
             at = at.min(now + self.push_retry());
         }
         if self.cursors_dirty {
-            at = at.min(now + CURSOR_FLUSH_EVERY);
+            // A second after the last save (at once when that was longer ago): positions
+            // are saved every second while acks come, not a second after the last check.
+            let flush = tokio::time::Instant::from_std(self.last_cursor_flush + CURSOR_FLUSH_EVERY);
+            at = at.min(flush.max(now));
         }
         at
     }

@@ -1,8 +1,8 @@
 //! Conversations over HTTP: the list, one conversation, history pages, read marks, receipts,
 //! settings, unread counts, and the long-polling pull-mode sync.
 
-use super::{ApiJson, ApiPath, ApiQuery, AuthUser, WritingUser, page_limit, run_then_view};
-use crate::app::{AppRef, PULL_MAX, parse_conversation};
+use super::{ApiJson, ApiPath, ApiQuery, AuthUser, WritingUser, run_then_view};
+use crate::app::{AppRef, PULL_DEFAULT, PULL_MAX, page_limit, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
 use axum::extract::State;
@@ -18,13 +18,12 @@ const LIST_DEFAULT: u32 = 50;
 const LIST_MAX: u32 = 200;
 const HISTORY_DEFAULT: u32 = 20;
 const HISTORY_MAX: u32 = 100;
-const SYNC_DEFAULT: u32 = 100;
 const RANGE_MAX: u64 = 200;
 const WAIT_MAX_MS: u64 = 30_000;
 
 #[derive(Deserialize)]
 pub struct ListQuery {
-    /// A u64, so that a limit past u32 is cut to the cap rather than refused.
+    /// A u64, so that any limit a client can write is cut to the cap rather than refused.
     limit: Option<u64>,
     cursor: Option<String>,
 }
@@ -96,7 +95,7 @@ pub async fn one(
 
 #[derive(Deserialize)]
 pub struct HistoryParams {
-    /// A u64, so that a limit past u32 is cut to the cap rather than refused.
+    /// A u64, so that any limit a client can write is cut to the cap rather than refused.
     limit: Option<u64>,
     before: Option<u64>,
     after: Option<u64>,
@@ -151,7 +150,7 @@ pub async fn range(
     // Seqs start at 1; `from: 0` means the chain's start, as in a WebSocket `pull`.
     let first = q.from.max(1);
     if first > q.to {
-        return Err(ApiError::invalid("need from <= to"));
+        return Err(ApiError::invalid("need from <= to (seqs start at 1)"));
     }
     if q.to - first + 1 > RANGE_MAX {
         return Err(ApiError::invalid(format!(
@@ -299,7 +298,7 @@ pub async fn sync(
             "wait_ms must be 0..={WAIT_MAX_MS}"
         )));
     }
-    let limit = page_limit(q.limit, SYNC_DEFAULT, PULL_MAX as u32)?;
+    let limit = page_limit(q.limit, PULL_DEFAULT, PULL_MAX)?;
     let after = q.user_seq.unwrap_or(0);
     let device = DeviceId::parse(HTTP_DEVICE).expect("a valid device id");
     // Register interest before looking, so that a message committed in between wakes us.

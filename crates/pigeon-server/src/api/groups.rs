@@ -238,7 +238,7 @@ const MEMBERS_MAX: u32 = 1000;
 #[derive(Deserialize)]
 pub struct MembersQuery {
     cursor: Option<String>,
-    /// A u64, so that a limit past u32 is cut to the cap rather than refused.
+    /// A u64, so that any limit a client can write is cut to the cap rather than refused.
     limit: Option<u64>,
 }
 
@@ -257,7 +257,7 @@ pub async fn members(
     if !conv.is_group() {
         return Err(ApiError::invalid("not a group"));
     }
-    let limit = super::page_limit(q.limit, MEMBERS_DEFAULT, MEMBERS_MAX)?;
+    let limit = crate::app::page_limit(q.limit, MEMBERS_DEFAULT, MEMBERS_MAX)?;
     let after = match q.cursor.as_deref().filter(|c| !c.is_empty()) {
         Some(c) => Some(
             path_user(c).map_err(|_| ApiError::invalid("cursor is not one this server gave"))?,

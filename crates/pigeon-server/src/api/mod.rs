@@ -246,16 +246,6 @@ impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath
 }
 
 /// Parses a user id from a path segment.
-/// A page's `limit` query parameter: `default` when absent, at least 1 (`limit=0` asks for
-/// nothing and is refused), cut to `max` however large (PROTOCOL.md 6: "at most").
-pub fn page_limit(asked: Option<u64>, default: u32, max: u32) -> Result<u32, ApiError> {
-    match asked {
-        None => Ok(default),
-        Some(0) => Err(ApiError::invalid("limit must be at least 1")),
-        Some(n) => Ok(u32::try_from(n).map_or(max, |n| n.min(max))),
-    }
-}
-
 pub fn path_user(s: &str) -> Result<UserId, ApiError> {
     let raw: u64 = s
         .parse()

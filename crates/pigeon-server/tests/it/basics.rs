@@ -33,6 +33,11 @@ async fn health_ready_metrics_and_openapi_answer() {
     alice.get("/v1/conversations").await.unwrap();
     let resp = reqwest::get(format!("{}/metrics", s.base)).await.unwrap();
     assert_eq!(resp.status(), 200);
+    // PROTOCOL.md 2: "Prometheus text".
+    let content_type = resp.headers()[reqwest::header::CONTENT_TYPE]
+        .to_str()
+        .unwrap();
+    assert!(content_type.starts_with("text/plain"), "{content_type}");
     let text = resp.text().await.unwrap();
     for name in [
         "pigeon_messages_stored_total",
@@ -92,7 +97,19 @@ async fn admin_endpoints_refuse_user_tokens_and_wrong_keys() {
     assert_eq!(status, 401);
     assert_eq!(body["code"], "unauthorized");
     assert!(body["message"].is_string());
+    // No `Authorization` header at all: the same.
+    let (status, body) = s
+        .anon()
+        .raw(
+            reqwest::Method::POST,
+            "/v1/admin/users",
+            Some(&json!({"user_id": 5})),
+        )
+        .await
+        .unwrap();
+    assert_eq!((status, &body["code"]), (401, &json!("unauthorized")));
     assert_eq!(code_of(s.admin.mint_token(999, 60).await), "not_found");
+    assert_eq!(code_of(s.admin.mint_token(5, 60).await), "not_found");
 }
 
 #[tokio::test]
@@ -864,22 +881,21 @@ async fn a_silent_connection_is_closed_with_1001_after_two_heartbeats() {
 /// server once checked every half heartbeat, closing up to half a heartbeat late).
 #[tokio::test]
 async fn the_silence_limit_is_two_heartbeats_from_the_last_frame() {
-    let s = spawn_with(|c| c.heartbeat_ms = 1600).await;
+    let s = spawn_with(|c| c.heartbeat_ms = 2000).await;
     let t = s.token(113).await;
     let mut ws = s.ws(&t, "d").await;
-    let start = std::time::Instant::now();
-    // Between two of the old half-heartbeat ticks (0.8 s apart), which then closed it at
-    // 5.6 s, not at 5.2.
-    tokio::time::sleep(Duration::from_millis(2000)).await;
+    // Halfway between two of the old half-heartbeat ticks (1 s apart), which then closed
+    // it 4.5 s after the ping, not 4.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let pinged = std::time::Instant::now();
     let pong = request(&mut ws, json!({"type": "ping"}), 1).await;
     assert_eq!(pong["type"], "pong");
-    let pinged = start.elapsed();
     assert_eq!(ws.closed(WAIT).await, Some(1001));
-    let silent = start.elapsed() - pinged;
-    // Two heartbeats after the ping (less its own round trip), with room for a loaded
-    // machine's scheduling.
+    let silent = pinged.elapsed();
+    // The server saw the ping after it was sent: never sooner than two heartbeats after
+    // it; later only by the machine's scheduling.
     assert!(
-        silent >= Duration::from_millis(3150) && silent < Duration::from_millis(3500),
+        silent >= Duration::from_millis(4000) && silent < Duration::from_millis(4300),
         "closed {silent:?} after the ping"
     );
 }

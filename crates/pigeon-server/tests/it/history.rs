@@ -46,7 +46,7 @@ async fn pages_by_cursor_in_both_directions() {
     assert_eq!(newest["has_more"], false);
     let big = alice.get(&format!("{base}?limit=1000")).await.unwrap();
     assert_eq!(page_seqs(&big), (1..=45).collect::<Vec<_>>());
-    // "At most 100": a limit past any integer width is cut to the cap, not refused.
+    // "At most 100": a limit past u32 is cut to the cap, not refused.
     let huge = alice
         .get(&format!("{base}?limit=99999999999"))
         .await

@@ -4,7 +4,7 @@ use crate::*;
 use serde_json::json;
 
 /// How many viewers `GET /v1/rooms/{id}` counts.
-async fn viewers(s: &TestServer, room: &str) -> u64 {
+pub(crate) async fn viewers(s: &TestServer, room: &str) -> u64 {
     let info = s
         .user(3)
         .await

@@ -84,7 +84,10 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
         assert_eq!(reply["code"], "unavailable", "{reply}");
     }
     // PROTOCOL.md 2: `/readyz` answers 503 when the server cannot serve; while commits
-    // fail it cannot take a message, however well it reads.
+    // fail it cannot take a message, however well it reads. A batch that writes nothing
+    // (the barrier of this `ping`, behind the refused sends) does not say otherwise.
+    let pong = request(&mut ws, json!({"type": "ping"}), 7).await;
+    assert_eq!(pong["type"], "pong", "{pong}");
     let anon = s.anon();
     let (status, body) = anon
         .raw(reqwest::Method::GET, "/readyz", None)
