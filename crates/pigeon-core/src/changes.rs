@@ -108,6 +108,13 @@ pub struct Changes {
     pub versions: Vec<(MsgId, u32, String, i64)>,
     pub hidden_messages: Vec<(UserId, MsgId)>,
     pub cursors: Vec<(UserId, DeviceId, String, u64)>,
+    /// Acknowledgements of a conversation the engine did not have at hand (after a restart,
+    /// or once evicted), as given: the store saves one only for a member or former member,
+    /// clamped to the conversation's newest stored seq (and to the removal of a former
+    /// member), so an ack naming any id makes no row and skips nothing. (Absent from
+    /// journal records written before it existed, and left out of those that hold none.)
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub member_cursors: Vec<(UserId, DeviceId, ConversationId, u64)>,
 }
 
 impl Changes {
@@ -122,6 +129,7 @@ impl Changes {
             && self.versions.is_empty()
             && self.hidden_messages.is_empty()
             && self.cursors.is_empty()
+            && self.member_cursors.is_empty()
     }
 }
 

@@ -611,18 +611,36 @@ impl Engine {
                 seq,
             } => {
                 // An acknowledgement past the chain's newest seq counts up to the newest:
-                // stored as given, the device would skip what comes next when it resumes. A
-                // conversation not cached is not saved: a client acknowledges what it was
-                // pushed, which is cached then, and an ack can name any id (a row for each
-                // would be anyone's to make). Not saving one only has the device get some
-                // messages again when it resumes.
-                let newest = match &chain {
-                    CursorChain::Inbox => self.inbox_heads.get(&user).copied(),
-                    CursorChain::Conversation(c) => self.conversations.get(c).map(|c| c.seq),
-                };
-                if let Some(newest) = newest {
-                    ch.cursors
-                        .push((user, device, chain.key().to_owned(), seq.min(newest)));
+                // stored as given, the device would skip what comes next when it resumes.
+                // A conversation's is saved for its members only. One cached with the user
+                // in it is clamped here; any other is not loaded (an ack can name any id):
+                // the store checks membership and clamps (`member_cursors`), which also
+                // saves a former member's position up to their removal. One known not to
+                // exist is dropped.
+                match &chain {
+                    CursorChain::Inbox => {
+                        if let Some(&newest) = self.inbox_heads.get(&user) {
+                            ch.cursors.push((
+                                user,
+                                device,
+                                chain.key().to_owned(),
+                                seq.min(newest),
+                            ));
+                        }
+                    }
+                    CursorChain::Conversation(c) => match self.conversations.get(c) {
+                        Some(conv) if conv.members.contains_key(&user) => {
+                            let newest = conv.seq;
+                            ch.cursors.push((
+                                user,
+                                device,
+                                chain.key().to_owned(),
+                                seq.min(newest),
+                            ));
+                        }
+                        None if self.absent.contains(c) => {}
+                        _ => ch.member_cursors.push((user, device, c.clone(), seq)),
+                    },
                 }
                 Ok(Reply::Done)
             }

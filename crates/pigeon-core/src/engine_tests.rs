@@ -403,8 +403,9 @@ fn only_keys_the_store_may_hold_are_looked_up() {
 }
 
 /// An acknowledged position is saved up to the chain's newest seq: an inbox's head, a
-/// cached conversation's seq; a conversation known not to exist, or not cached, is not
-/// saved (nothing is loaded for an ack, which can name any id).
+/// cached conversation's seq; a conversation known not to exist is not saved, and one not
+/// cached goes to the store as given, which clamps it and checks membership (nothing is
+/// loaded for an ack, which can name any id).
 #[test]
 fn acknowledged_positions_are_clamped_to_the_newest_seq() {
     let mut e = engine(3, 500);
@@ -427,7 +428,7 @@ fn acknowledged_positions_are_clamped_to_the_newest_seq() {
         advance(CursorChain::Inbox, 1_000),
         advance(CursorChain::Conversation(g.clone()), 1_000),
         advance(CursorChain::Conversation(missing), 5),
-        advance(CursorChain::Conversation(uncached), 7),
+        advance(CursorChain::Conversation(uncached.clone()), 7),
     ] {
         assert!(e.needs(std::slice::from_ref(&cmd)).conversations.is_empty());
         e.apply(cmd, T0, &mut saved, &mut ev).unwrap();
@@ -437,9 +438,27 @@ fn acknowledged_positions_are_clamped_to_the_newest_seq() {
         saved.cursors,
         vec![
             (uid(2), device.clone(), "user".to_owned(), head),
-            (uid(2), device, g.as_str().to_owned(), g_seq),
+            (uid(2), device.clone(), g.as_str().to_owned(), g_seq),
         ]
     );
+    // Not cached: left to the store to clamp and check (a conversation known not to exist
+    // is dropped here).
+    assert_eq!(
+        saved.member_cursors,
+        vec![(uid(2), device.clone(), uncached, 7)]
+    );
+    // Cached, but acknowledged by someone not in it: the store checks too (a former member
+    // may save a position up to their removal; anyone else saves nothing).
+    let mut saved = Changes::default();
+    let stranger = Command::AdvanceCursor {
+        user: uid(9),
+        device: device.clone(),
+        chain: CursorChain::Conversation(g.clone()),
+        seq: 1,
+    };
+    e.apply(stranger, T0, &mut saved, &mut ev).unwrap();
+    assert!(saved.cursors.is_empty());
+    assert_eq!(saved.member_cursors, vec![(uid(9), device, g, 1)]);
 }
 
 /// The store answers an inbox head for every user asked about; the engine keeps heads only

@@ -1318,6 +1318,82 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// An ack of a conversation the engine did not have at hand is saved for a member no
+    /// further than the newest stored message, for a former member no further than their
+    /// removal, for anyone else not at all; and, like every cursor, never moved back.
+    #[tokio::test]
+    async fn member_cursors_are_clamped_and_saved_only_for_members() {
+        let dir = temp_dir("member-cursors");
+        drop(SqliteStore::open(&dir, Durability::Os).unwrap());
+        let c = Connection::open(dir.join("pigeon.db")).unwrap();
+        for seq in 1..=5 {
+            c.execute(
+                "INSERT INTO messages (msg_id, conversation_id, seq, sender, kind, content, \
+                 status, version, created_at) VALUES (?1, 'g7', ?2, 1, 'text', 'x', 'normal', 1, 0)",
+                rusqlite::params![100 + seq, seq],
+            )
+            .unwrap();
+        }
+        for (user, left_seq) in [(1, None), (2, Some(3))] {
+            c.execute(
+                "INSERT INTO members (conversation_id, user_id, role, joined_seq, joined_at, \
+                 left_seq, last_read_seq) VALUES ('g7', ?1, 'member', 1, 0, ?2, 0)",
+                rusqlite::params![user, left_seq],
+            )
+            .unwrap();
+        }
+        drop(c);
+        let store = SqliteStore::open(&dir, Durability::Os).unwrap();
+        let u = |id| UserId::new(id).unwrap();
+        let d = pigeon_proto::DeviceId::parse("d").unwrap();
+        let g7 = ConversationId::parse("g7").unwrap();
+        let acks = |list: Vec<(u64, &ConversationId, u64)>| Changes {
+            member_cursors: list
+                .into_iter()
+                .map(|(user, conv, seq)| (u(user), d.clone(), conv.clone(), seq))
+                .collect(),
+            ..Changes::default()
+        };
+        let g8 = ConversationId::parse("g8").unwrap();
+        store
+            .commit(acks(vec![
+                (1, &g7, 100),
+                (2, &g7, 100),
+                (3, &g7, 4),
+                (1, &g8, 4),
+            ]))
+            .await
+            .unwrap();
+        store.commit(acks(vec![(1, &g7, 2)])).await.unwrap();
+        let saved = |user, chain: &'static str| {
+            let store = &store;
+            async move { store.cursor(u(user), "d", chain).await.unwrap() }
+        };
+        assert_eq!(
+            saved(1, "g7").await,
+            5,
+            "a member: up to the newest message"
+        );
+        assert_eq!(
+            saved(2, "g7").await,
+            3,
+            "a former member: up to the removal"
+        );
+        assert_eq!(saved(3, "g7").await, 0, "not a member: nothing saved");
+        assert_eq!(
+            saved(1, "g8").await,
+            0,
+            "no such conversation: nothing saved"
+        );
+        let c = Connection::open(dir.join("pigeon.db")).unwrap();
+        let rows: i64 = c
+            .query_row("SELECT count(*) FROM cursors", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(rows, 2, "no row for the others");
+        drop((c, store));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     /// Under a steady stream of batches each transaction begins right after the last
     /// commit; the applier checkpoints first, so SQLite writes the WAL from its start again
     /// instead of growing it by every transaction (to 160 MB under load).
@@ -1751,6 +1827,7 @@ mod tests {
             versions: vec![(msg, 1, "old".into(), 9)],
             hidden_messages: vec![(u, msg)],
             cursors: vec![(u, DeviceId::parse("d1").unwrap(), "inbox".into(), 4)],
+            member_cursors: vec![(u, DeviceId::parse("d1").unwrap(), conv.clone(), 5)],
         };
         changes.members.insert(
             (conv.clone(), u),

@@ -249,6 +249,21 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
                 crate::read::seq_arg(*seq)
             ])?;
         }
+        // Acks of conversations the engine did not have at hand: saved only for a member or
+        // former member, no further than the newest message these tables hold (every
+        // message pushed before the ack came is in them: its batch came first) nor, for a
+        // former member, than the removal.
+        let mut st = tx.prepare_cached(
+            "INSERT INTO cursors (user_id, device_id, chain, seq)              SELECT mb.user_id, ?2, mb.conversation_id, min(?4,                  coalesce((SELECT max(m.seq) FROM messages m WHERE m.conversation_id = ?3), 0),                  coalesce(mb.left_seq, ?4))              FROM members mb WHERE mb.conversation_id = ?3 AND mb.user_id = ?1              ON CONFLICT (user_id, device_id, chain) DO UPDATE SET seq = max(seq, excluded.seq)",
+        )?;
+        for (u, d, conv, seq) in every().flat_map(|ch| &ch.member_cursors) {
+            st.execute(params![
+                u.get() as i64,
+                d.as_str(),
+                conv.as_str(),
+                crate::read::seq_arg(*seq)
+            ])?;
+        }
     }
     Ok(())
 }

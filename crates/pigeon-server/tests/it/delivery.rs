@@ -640,6 +640,55 @@ async fn sync_lists_only_read_fanout_groups() {
     );
 }
 
+/// PROTOCOL.md 4: the server "remembers each device's acknowledged position", in a read
+/// fan-out group too when it has just started and holds nothing of the group in memory (it
+/// loads no conversation for an ack, which can name any id: the store checks membership
+/// and clamps). An ack past the newest seq counts up to the newest.
+#[tokio::test]
+async fn a_group_acknowledged_after_a_restart_is_remembered() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(1).await;
+    let _ = (s.user(2).await, s.user(3).await);
+    let big = new_group_named(&owner, "big", &[2, 3]).await;
+    for i in 0..3 {
+        owner
+            .post("/v1/messages", &text_to_conv(&format!("b{i}"), &big, "x"))
+            .await
+            .unwrap();
+    }
+    let s = s.restart().await;
+    let t2 = s.token(2).await;
+    let listed = |r: &Value| -> Option<(u64, u64)> {
+        r["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["conversation_id"] == json!(big))
+            .map(|c| (c["seq"].as_u64().unwrap(), c["cursor"].as_u64().unwrap()))
+    };
+    let mut ws = s.ws(&t2, "d2").await;
+    let r = request(&mut ws, json!({"type": "sync"}), 1).await;
+    let (newest, cursor) = listed(&r).unwrap_or_else(|| panic!("the group is listed: {r}"));
+    assert!(cursor < newest, "{r}");
+    ws.send(&json!({"type": "ack", "conversation_id": big, "seq": newest + 10}))
+        .await
+        .unwrap();
+    // The close handshake is answered once the device's positions are saved.
+    ws.close().await;
+    let mut ws = s.ws(&t2, "d2").await;
+    let r = request(&mut ws, json!({"type": "sync"}), 2).await;
+    assert_eq!(listed(&r), None, "acknowledged: not listed again: {r}");
+    // Saved as the newest seq, not past it: the next message is listed from there.
+    ws.close().await;
+    owner
+        .post("/v1/messages", &text_to_conv("after", &big, "x"))
+        .await
+        .unwrap();
+    let mut ws = s.ws(&t2, "d2").await;
+    let r = request(&mut ws, json!({"type": "sync"}), 3).await;
+    assert_eq!(listed(&r), Some((newest + 1, newest)), "{r}");
+}
+
 /// PROTOCOL.md 6: the removal "is the last message of the group that member receives or
 /// can read". A member of a read fan-out group who was offline when kicked (or quit) finds
 /// the group in `sync` up to the removal (its `seq`, `last_message` and `unread` stop
