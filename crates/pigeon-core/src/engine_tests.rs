@@ -454,11 +454,11 @@ fn acknowledged_positions_are_clamped_to_the_newest_seq() {
         user: uid(9),
         device: device.clone(),
         chain: CursorChain::Conversation(g.clone()),
-        seq: 1,
+        seq: 1_000,
     };
     e.apply(stranger, T0, &mut saved, &mut ev).unwrap();
     assert!(saved.cursors.is_empty());
-    assert_eq!(saved.member_cursors, vec![(uid(9), device, g, 1)]);
+    assert_eq!(saved.member_cursors, vec![(uid(9), device, g, g_seq)]);
 }
 
 /// The store answers an inbox head for every user asked about; the engine keeps heads only

@@ -55,7 +55,7 @@ const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Conversations a connection's typing throttle tracks at once (each for a second).
 const MAX_TYPING_TRACKED: usize = 256;
 /// Chains one connection holds acknowledged positions of between two saves (every second);
-/// past this they are saved at once.
+/// past this they are saved at once, at most once a second.
 const MAX_ACKED_CHAINS: usize = 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
@@ -924,9 +924,14 @@ impl Connection {
                 Ok(Vec::new())
             }
             ClientFrame::Ack(a) => {
-                // The positions held between two saves are bounded: past the bound they
-                // are saved now rather than refused.
-                if self.cursors.len() >= MAX_ACKED_CHAINS {
+                // The positions held between two saves are bounded: past the bound they are
+                // saved now, if the last save is a second old; otherwise an ack of a chain
+                // not held waits for no save and is dropped (`advance`). So a connection
+                // saves at most about two bounds' worth of chains a second, whatever ids it
+                // names (each saved chain is a command, and the store's lookups for it).
+                if self.cursors.len() >= MAX_ACKED_CHAINS
+                    && self.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY
+                {
                     self.flush_cursors(false).await;
                 }
                 self.ack(a)?;
@@ -1121,6 +1126,11 @@ impl Connection {
     fn advance(&mut self, chain: &str, seq: u64) {
         // Nothing to move (and no entry, which would stay unsaved in the map).
         if seq == 0 {
+            return;
+        }
+        if self.cursors.len() >= MAX_ACKED_CHAINS && !self.cursors.contains_key(chain) {
+            // Held chains are at the bound within a second of the last save (see the
+            // `Ack` frame): the device gets this chain's messages again when it resumes.
             return;
         }
         let e = self.cursors.entry(chain.to_owned()).or_insert(0);

@@ -1391,6 +1391,50 @@ mod tests {
             .unwrap();
         assert_eq!(rows, 2, "no row for the others");
         drop((c, store));
+
+        // In one chunk of batches the applier writes table by table: an ack is clamped to
+        // what came before it, never to a message of a later batch of the chunk, which the
+        // device cannot have had (it would skip it when it resumes).
+        let message = |seq: u64| Changes {
+            messages: vec![pigeon_proto::Message {
+                msg_id: pigeon_proto::MsgId::new(200 + seq).unwrap(),
+                conversation_id: "g7".into(),
+                seq,
+                sender: u(1),
+                client_msg_id: None,
+                kind: pigeon_proto::MessageKind::Text,
+                content: "x".into(),
+                extra: serde_json::Value::Null,
+                reply_to: None,
+                mentions: vec![],
+                status: pigeon_proto::MessageStatus::Normal,
+                version: 1,
+                created_at: 0,
+                edited_at: None,
+            }],
+            ..Changes::default()
+        };
+        let ack = |device: &str| Changes {
+            member_cursors: vec![(
+                u(1),
+                pigeon_proto::DeviceId::parse(device).unwrap(),
+                g7.clone(),
+                100,
+            )],
+            ..Changes::default()
+        };
+        let mut c = Connection::open(dir.join("pigeon.db")).unwrap();
+        let tx = c.transaction().unwrap();
+        write::apply_rows(
+            &tx,
+            &[&ack("early"), &message(6), &ack("late"), &message(7)],
+        )
+        .unwrap();
+        tx.commit().unwrap();
+        let cursor = |device: &str| read::cursor(&c, u(1), device, "g7").unwrap();
+        assert_eq!(cursor("early"), 5, "before the chunk's messages");
+        assert_eq!(cursor("late"), 6, "after the chunk's seq 6, before its 7");
+        drop(c);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

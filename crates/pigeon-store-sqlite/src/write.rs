@@ -161,6 +161,8 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
         for u in every().flat_map(|ch| &ch.logouts) {
             st.execute([u.get() as i64])?;
         }
+        // Before this chunk's messages: see `write_member_cursors`.
+        write_member_cursors(tx, batches)?;
         let mut st = tx.prepare_cached(
             "INSERT INTO messages (msg_id, conversation_id, seq, sender, client_msg_id, kind, content, extra, reply_to, \
              mentions, status, version, created_at, edited_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
@@ -249,20 +251,48 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
                 crate::read::seq_arg(*seq)
             ])?;
         }
-        // Acks of conversations the engine did not have at hand: saved only for a member or
-        // former member, no further than the newest message these tables hold (every
-        // message pushed before the ack came is in them: its batch came first) nor, for a
-        // former member, than the removal.
-        let mut st = tx.prepare_cached(
-            "INSERT INTO cursors (user_id, device_id, chain, seq)              SELECT mb.user_id, ?2, mb.conversation_id, min(?4,                  coalesce((SELECT max(m.seq) FROM messages m WHERE m.conversation_id = ?3), 0),                  coalesce(mb.left_seq, ?4))              FROM members mb WHERE mb.conversation_id = ?3 AND mb.user_id = ?1              ON CONFLICT (user_id, device_id, chain) DO UPDATE SET seq = max(seq, excluded.seq)",
-        )?;
-        for (u, d, conv, seq) in every().flat_map(|ch| &ch.member_cursors) {
+    }
+    Ok(())
+}
+
+/// Acks of conversations the engine did not have at hand (`Changes::member_cursors`):
+/// saved only for a member or former member, no further than the newest message the
+/// device can have had when it acknowledged (stored before this chunk, or added by the
+/// chunk's batches before the ack's: an ack comes after the push of what it acknowledges,
+/// in a later batch; never a message of a later batch, which would make the device skip it
+/// when it resumes), nor, for a former member whose removal is stored, than the removal.
+/// Written before the chunk's messages, so that the stored newest holds none of the
+/// chunk's.
+fn write_member_cursors(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()> {
+    if batches.iter().all(|ch| ch.member_cursors.is_empty()) {
+        return Ok(());
+    }
+    let mut st = tx.prepare_cached(
+        "INSERT INTO cursors (user_id, device_id, chain, seq) \
+         SELECT mb.user_id, ?2, mb.conversation_id, min(?4, \
+             max(coalesce((SELECT max(m.seq) FROM messages m WHERE m.conversation_id = ?3), 0), ?5), \
+             coalesce(mb.left_seq, ?4)) \
+         FROM members mb WHERE mb.conversation_id = ?3 AND mb.user_id = ?1 \
+         ON CONFLICT (user_id, device_id, chain) DO UPDATE SET seq = max(seq, excluded.seq)",
+    )?;
+    // The newest seq of each conversation among the chunk's batches so far.
+    let mut newest_in_chunk: HashMap<&str, u64> = HashMap::new();
+    for ch in batches {
+        for (u, d, conv, seq) in &ch.member_cursors {
+            let earlier = newest_in_chunk.get(conv.as_str()).copied().unwrap_or(0);
             st.execute(params![
                 u.get() as i64,
                 d.as_str(),
                 conv.as_str(),
-                crate::read::seq_arg(*seq)
+                crate::read::seq_arg(*seq),
+                crate::read::seq_arg(earlier),
             ])?;
+        }
+        for m in &ch.messages {
+            let newest = newest_in_chunk
+                .entry(m.conversation_id.as_str())
+                .or_insert(0);
+            *newest = (*newest).max(m.seq);
         }
     }
     Ok(())
