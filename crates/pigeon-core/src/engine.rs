@@ -638,14 +638,9 @@ impl Engine {
                                 seq.min(newest),
                             ));
                         }
-                        // Not in it now: a former member's, perhaps, up to their removal.
-                        Some(conv) => {
-                            let newest = conv.seq;
-                            ch.member_cursors
-                                .push((user, device, c.clone(), seq.min(newest)));
-                        }
                         None if self.absent.contains(c) => {}
-                        None => ch.member_cursors.push((user, device, c.clone(), seq)),
+                        // Not cached, or not in it now (a former member's, perhaps).
+                        _ => ch.member_cursors.push((user, device, c.clone(), seq)),
                     },
                 }
                 Ok(Reply::Done)

@@ -45,11 +45,49 @@ impl RateLimits {
         })
     }
 
+    /// Takes `n` writes from `user`'s allowance if it holds them (saved positions of
+    /// conversations, which the client does not wait for: refused, they are dropped, not
+    /// answered). Always true with the limit off.
+    pub fn take_writes(&self, user: UserId, n: usize) -> bool {
+        let Some(limiter) = &self.sends else {
+            return true;
+        };
+        let n = NonZeroU32::new(u32::try_from(n).unwrap_or(u32::MAX)).unwrap_or(NonZeroU32::MIN);
+        matches!(limiter.check_key_n(&user, n), Ok(Ok(())))
+    }
+
     /// Forgets users whose allowance is full again (keeps memory bounded).
     pub fn forget_idle(&self) {
         if let Some(l) = &self.sends {
             l.retain_recent();
             l.shrink_to_fit();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Saved positions take from the same allowance as sends: a burst's worth at once, then
+    /// nothing until it refills; with the limit off, always.
+    #[test]
+    fn writes_taken_in_bulk_share_the_send_allowance() {
+        let user = UserId::new(1).unwrap();
+        let limits = RateLimits::new(10);
+        assert!(
+            limits.take_writes(user, 100),
+            "a burst is ten seconds' worth"
+        );
+        assert!(!limits.take_writes(user, 1));
+        assert!(limits.check_send(user).is_err(), "the same allowance");
+        let other = UserId::new(2).unwrap();
+        assert!(
+            !limits.take_writes(other, 101),
+            "more than a burst is never taken"
+        );
+        assert!(limits.take_writes(other, 100), "and takes nothing");
+        let off = RateLimits::new(0);
+        assert!(off.take_writes(user, 1_000_000));
     }
 }

@@ -55,7 +55,7 @@ const WRITE_BUFFER_BYTES: usize = 16 * 1024;
 /// Conversations a connection's typing throttle tracks at once (each for a second).
 const MAX_TYPING_TRACKED: usize = 256;
 /// Chains one connection holds acknowledged positions of between two saves (every second);
-/// past this they are saved at once, at most once a second.
+/// past this they are saved at once.
 const MAX_ACKED_CHAINS: usize = 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
@@ -924,14 +924,10 @@ impl Connection {
                 Ok(Vec::new())
             }
             ClientFrame::Ack(a) => {
-                // The positions held between two saves are bounded: past the bound they are
-                // saved now, if the last save is a second old; otherwise an ack of a chain
-                // not held waits for no save and is dropped (`advance`). So a connection
-                // saves at most about two bounds' worth of chains a second, whatever ids it
-                // names (each saved chain is a command, and the store's lookups for it).
-                if self.cursors.len() >= MAX_ACKED_CHAINS
-                    && self.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY
-                {
+                // The positions held between two saves are bounded: past the bound they
+                // are saved now rather than refused (what saving costs is bounded by the
+                // user's write allowance, see `flush_cursors`).
+                if self.cursors.len() >= MAX_ACKED_CHAINS {
                     self.flush_cursors(false).await;
                 }
                 self.ack(a)?;
@@ -1128,11 +1124,6 @@ impl Connection {
         if seq == 0 {
             return;
         }
-        if self.cursors.len() >= MAX_ACKED_CHAINS && !self.cursors.contains_key(chain) {
-            // Held chains are at the bound within a second of the last save (see the
-            // `Ack` frame): the device gets this chain's messages again when it resumes.
-            return;
-        }
         let e = self.cursors.entry(chain.to_owned()).or_insert(0);
         if seq > *e {
             *e = seq;
@@ -1264,6 +1255,15 @@ impl Connection {
                     seq,
                 });
             }
+            // A group's position costs the store a journaled row and two lookups whatever
+            // id an ack names (`Changes::member_cursors`): each takes one write from the
+            // user's allowance, as a read mark does. Past it they are not saved (the device
+            // gets those messages again when it resumes); the inbox's always is.
+            let groups = cmds.iter().filter(|c| is_group_cursor(c)).count();
+            if groups > 0 && !self.app.limits.take_writes(self.user, groups) {
+                metrics::counter!("pigeon_cursor_saves_dropped_total").increment(groups as u64);
+                cmds.retain(|c| !is_group_cursor(c));
+            }
             // Committed by the next barrier: a read's, the close's, or the one below.
             self.sent_on(Tier::Fast);
             for cmd in cmds {
@@ -1280,6 +1280,17 @@ impl Connection {
             self.wait_for_own_sends().await;
         }
     }
+}
+
+/// Whether `cmd` saves a position in a conversation's chain (not the inbox's).
+fn is_group_cursor(cmd: &Command) -> bool {
+    matches!(
+        cmd,
+        Command::AdvanceCursor {
+            chain: CursorChain::Conversation(_),
+            ..
+        }
+    )
 }
 
 /// The fields every client frame may carry, read before the frame itself.

@@ -256,11 +256,11 @@ pub fn apply_rows(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()>
 }
 
 /// Acks of conversations the engine did not have at hand (`Changes::member_cursors`):
-/// saved only for a member or former member, no further than the newest message the
-/// device can have had when it acknowledged (stored before this chunk, or added by the
-/// chunk's batches before the ack's: an ack comes after the push of what it acknowledges,
-/// in a later batch; never a message of a later batch, which would make the device skip it
-/// when it resumes), nor, for a former member whose removal is stored, than the removal.
+/// saved only for a member or former member, no further than the newest message stored
+/// before the ack (before this chunk, or by the chunk's batches before the ack's: an ack
+/// comes after the push of what it acknowledges, in a later batch; never a message of a
+/// later batch, which an ack past the newest would otherwise have the device skip when it
+/// resumes), nor, for a former member whose removal is stored, than the removal.
 /// Written before the chunk's messages, so that the stored newest holds none of the
 /// chunk's.
 fn write_member_cursors(tx: &Connection, batches: &[&Changes]) -> rusqlite::Result<()> {

@@ -1236,8 +1236,7 @@ async fn a_path_segment_that_is_not_utf8_answers_the_json_error_body() {
 }
 
 /// What one connection tracks is bounded: past 1024 chains acknowledged between two saves
-/// of its positions they are saved at once if the last save is a second old, and an ack of
-/// a further chain is otherwise not held (every ack is still answered), and it types in at
+/// of its positions they are saved at once (every ack is still taken), and it types in at
 /// most 256 conversations within a second (the next is `rate_limited`; a throttle is never
 /// forgotten while its second runs, so a loop over many conversations cannot get around
 /// it).
