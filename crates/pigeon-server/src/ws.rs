@@ -1174,9 +1174,9 @@ impl Connection {
     /// The latest the connection's one timer may fire from the loop's top: the client's
     /// silence limit, a retry from now while pushes wait for their acknowledgement (the
     /// first push after none sets it; when it fires, `due_resends` says when the next push
-    /// comes due), a second after the last cursor save while one is pending. The loop only ever moves the timer
-    /// earlier, so this is cheap to ask on every frame; an idle connection wakes about once
-    /// per heartbeat its client sends.
+    /// comes due), a second after the last cursor save while one is pending. The loop only
+    /// ever moves the timer earlier, so this is cheap to ask on every frame; an idle
+    /// connection wakes about once per heartbeat its client sends.
     fn next_wake(&self) -> tokio::time::Instant {
         let now = tokio::time::Instant::now();
         let mut at = self.silence_deadline();
