@@ -493,11 +493,7 @@ async fn room_leave_stops_the_batches_and_the_sends() {
         let ok = request(ws, json!({"type": "room_join", "room_id": room}), req).await;
         assert_eq!(ok["type"], "ok", "{ok}");
     }
-    let viewers = |info: Value| info["viewers"].as_u64().unwrap();
-    assert_eq!(
-        viewers(onlooker.get(&format!("/v1/rooms/{room}")).await.unwrap()),
-        2
-    );
+    assert_eq!(crate::rooms::viewers(&s, &room).await, 2);
 
     // Both get a message sent while both watch.
     send_then_barrier(
@@ -513,10 +509,7 @@ async fn room_leave_stops_the_batches_and_the_sends() {
 
     let ok = request(&mut b, json!({"type": "room_leave", "room_id": room}), 3).await;
     assert_eq!(ok["type"], "ok", "{ok}");
-    assert_eq!(
-        viewers(onlooker.get(&format!("/v1/rooms/{room}")).await.unwrap()),
-        1
-    );
+    assert_eq!(crate::rooms::viewers(&s, &room).await, 1);
 
     send_then_barrier(
         &mut a,
