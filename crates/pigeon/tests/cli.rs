@@ -19,21 +19,19 @@ fn temp_dir(tag: &str) -> PathBuf {
     p
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct Proc {
     child: Child,
     base: String,
-    stdout_lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+    /// What the server printed before its "listening on" line.
+    early_lines: Vec<String>,
+    /// The port it bound (the tests ask for port 0: a port chosen by the test could be
+    /// taken by another test's server before this one binds it).
+    port: u16,
 }
 
-async fn start(dir: &Path, port: u16, extra: &[&str], env: &[(&str, &str)]) -> Proc {
+/// Starts `pigeon serve` in `dir` (on `127.0.0.1:0` unless `extra` or `env` set the address)
+/// and waits until it prints the address it bound and answers `/readyz` there.
+async fn start(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pigeon"));
     cmd.arg("serve")
         .args(extra)
@@ -42,52 +40,61 @@ async fn start(dir: &Path, port: u16, extra: &[&str], env: &[(&str, &str)]) -> P
         .stderr(Stdio::null())
         .kill_on_drop(true);
     cmd.env_remove("PIGEON_ADMIN_KEY")
-        .env_remove("PIGEON_LISTEN");
+        .env_remove("PIGEON_LISTEN")
+        .env_remove("PIGEON_CONFIG");
     if !extra.contains(&"--listen") && !env.iter().any(|(k, _)| *k == "PIGEON_LISTEN") {
-        cmd.arg("--listen").arg(format!("127.0.0.1:{port}"));
+        cmd.arg("--listen").arg("127.0.0.1:0");
     }
     for (k, v) in env {
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().expect("pigeon starts");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut lines = BufReader::new(stdout).lines();
-        while let Ok(Some(l)) = lines.next_line().await {
-            let _ = tx.send(l);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut early_lines = Vec::new();
+    let mut addr = None;
+    while let Ok(Ok(Some(line))) =
+        tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await
+    {
+        if let Some(a) = line.strip_prefix("pigeon: listening on http://") {
+            addr = a.parse::<std::net::SocketAddr>().ok();
+            break;
         }
+        early_lines.push(line);
+    }
+    let addr = addr.unwrap_or_else(|| {
+        panic!(
+            "no listening line; printed {early_lines:?}, exit status {:?}",
+            child.try_wait().ok().flatten()
+        )
     });
-    let base = format!("http://127.0.0.1:{port}");
+    // Keep draining stdout so the server never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let base = format!("http://{addr}");
     let http = Http::new(base.clone());
     for _ in 0..200 {
         if let Ok((200, _)) = http.raw(reqwest::Method::GET, "/readyz", None).await {
             return Proc {
                 child,
                 base,
-                stdout_lines: rx,
+                early_lines,
+                port: addr.port(),
             };
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("server did not become ready");
+    panic!("server did not become ready at {base}");
 }
 
 #[tokio::test]
 async fn serve_with_no_configuration_generates_and_keeps_an_admin_key() {
     let dir = temp_dir("zero");
-    let port = free_port();
-    let mut p = start(&dir, port, &[], &[]).await;
-    let mut key = None;
-    while let Ok(Some(line)) =
-        tokio::time::timeout(Duration::from_secs(5), p.stdout_lines.recv()).await
-    {
-        if let Some(k) = line.strip_prefix("pigeon: admin key: ") {
-            key = Some(k.to_owned());
-            break;
-        }
-    }
-    let key = key.expect("the generated admin key is printed");
+    let mut p = start(&dir, &[], &[]).await;
+    let key = p
+        .early_lines
+        .iter()
+        .find_map(|l| l.strip_prefix("pigeon: admin key: "))
+        .expect("the generated admin key is printed")
+        .to_owned();
     assert!(
         dir.join("data").join("pigeon.db").exists(),
         "the store lives under ./data"
@@ -99,7 +106,12 @@ async fn serve_with_no_configuration_generates_and_keeps_an_admin_key() {
         .expect("the printed key is the admin key");
     p.child.kill().await.unwrap();
     // The second start keeps the same key and does not print a new one.
-    let p2 = start(&dir, port, &[], &[]).await;
+    let p2 = start(&dir, &[], &[]).await;
+    assert!(
+        !p2.early_lines.iter().any(|l| l.contains("admin key")),
+        "no new key is printed: {:?}",
+        p2.early_lines
+    );
     let admin = Http::new(p2.base.clone()).with_bearer(key);
     admin
         .upsert_user(2, "b")
@@ -110,24 +122,23 @@ async fn serve_with_no_configuration_generates_and_keeps_an_admin_key() {
 #[tokio::test]
 async fn settings_come_from_the_environment_over_the_file() {
     let dir = temp_dir("cfg");
-    let port = free_port();
     std::fs::write(
         dir.join("p.toml"),
         format!("admin-key = \"{KEY}\"\nrecall-window-secs = 1\nlisten = \"127.0.0.1:1\"\n"),
     )
     .unwrap();
-    let listen = format!("127.0.0.1:{port}");
-    // The file says port 1; the environment wins; the admin key comes from the file.
+    // The file says port 1; the environment (port 0: any) wins; the admin key comes from
+    // the file.
     let p = start(
         &dir,
-        port,
         &["--config", "p.toml"],
         &[
-            ("PIGEON_LISTEN", &listen),
+            ("PIGEON_LISTEN", "127.0.0.1:0"),
             ("PIGEON_MAX_CONTENT_BYTES", "10"),
         ],
     )
     .await;
+    assert_ne!(p.port, 1, "the environment's address wins over the file's");
     let admin = Http::new(p.base.clone()).with_bearer(KEY);
     admin.upsert_user(1, "a").await.unwrap();
     admin.upsert_user(2, "b").await.unwrap();
@@ -154,8 +165,7 @@ async fn bad_settings_fail_loudly() {
 #[tokio::test]
 async fn sigterm_closes_connections_with_a_close_frame_and_exits_cleanly() {
     let dir = temp_dir("term");
-    let port = free_port();
-    let mut p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    let mut p = start(&dir, &["--admin-key", KEY], &[]).await;
     let admin = Http::new(p.base.clone()).with_bearer(KEY);
     admin.upsert_user(1, "a").await.unwrap();
     let token = admin.mint_token(1, 60).await.unwrap();
@@ -219,9 +229,8 @@ async fn send_until_killed(
 #[tokio::test]
 async fn sigkill_during_a_send_load_loses_no_acknowledged_message() {
     let dir = temp_dir("kill");
-    let port = free_port();
     let users: Vec<u64> = (1..=4).collect();
-    let mut p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    let mut p = start(&dir, &["--admin-key", KEY], &[]).await;
     let admin = Http::new(p.base.clone()).with_bearer(KEY);
     let mut tokens = HashMap::new();
     for u in &users {
@@ -260,7 +269,9 @@ async fn sigkill_during_a_send_load_loses_no_acknowledged_message() {
         acks.len()
     );
 
-    let p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    // The restarted server binds another port.
+    let p = start(&dir, &["--admin-key", KEY], &[]).await;
+    let ws_base = p.base.replace("http", "ws");
     let reader_of = |conv: &str| -> u64 {
         match conv.split_once('-') {
             Some((a, _)) => a.parse().unwrap(),
@@ -360,8 +371,7 @@ fn chat(base: &str, user: u64, extra: &[&str]) -> std::process::Output {
 #[tokio::test]
 async fn pigeon_chat_one_shot_commands_exchange_messages() {
     let dir = temp_dir("chat");
-    let port = free_port();
-    let p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    let p = start(&dir, &["--admin-key", KEY], &[]).await;
     // With the admin key (dev mode), --user is registered on first use.
     assert!(chat(&p.base, 22, &["--list"]).status.success());
     let out = chat(&p.base, 11, &["--send", "22", "hello from 11"]);
@@ -405,8 +415,7 @@ async fn pigeon_chat_one_shot_commands_exchange_messages() {
 #[tokio::test]
 async fn pigeon_chat_line_mode_sends_and_receives_live() {
     let dir = temp_dir("chatlive");
-    let port = free_port();
-    let p = start(&dir, port, &["--admin-key", KEY], &[]).await;
+    let p = start(&dir, &["--admin-key", KEY], &[]).await;
     let admin = Http::new(p.base.clone()).with_bearer(KEY);
     admin.upsert_user(5, "five").await.unwrap();
     admin.upsert_user(6, "six").await.unwrap();
@@ -470,51 +479,22 @@ async fn pigeon_chat_line_mode_sends_and_receives_live() {
 #[tokio::test]
 async fn listen_takes_a_host_name_and_port() {
     let dir = temp_dir("hostname");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pigeon"))
-        .args(["serve", "--admin-key", KEY, "--listen", "localhost:0"])
-        .current_dir(&dir)
-        .env_remove("PIGEON_ADMIN_KEY")
-        .env_remove("PIGEON_LISTEN")
-        .env_remove("PIGEON_CONFIG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("pigeon starts");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut base = None;
-    while let Ok(Ok(Some(line))) =
-        tokio::time::timeout(Duration::from_secs(10), lines.next_line()).await
-    {
-        if let Some(b) = line.strip_prefix("pigeon: listening on ") {
-            base = Some(b.to_owned());
-            break;
-        }
-    }
-    let base = base.unwrap_or_else(|| {
-        panic!(
-            "no listening line; exit status {:?}",
-            child.try_wait().ok().flatten()
-        )
-    });
-    let addr: std::net::SocketAddr = base
-        .strip_prefix("http://")
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("an address: {base}"));
-    assert!(addr.ip().is_loopback() && addr.port() != 0, "{addr}");
-    let (status, _) = Http::new(base.clone())
+    let mut p = start(&dir, &["--admin-key", KEY, "--listen", "localhost:0"], &[]).await;
+    assert_ne!(p.port, 0);
+    assert!(p.base.starts_with("http://127.0.0.1:") || p.base.starts_with("http://[::1]:"));
+    let (status, _) = Http::new(p.base.clone())
         .raw(reqwest::Method::GET, "/healthz", None)
         .await
         .unwrap();
     assert_eq!(status, 200);
-    child.kill().await.unwrap();
+    p.child.kill().await.unwrap();
 }
 
 /// PROTOCOL.md 2: "flags win over the environment, which wins over the file".
 /// `settings_come_from_the_environment_over_the_file` pins the environment over the file; this
-/// pins the flag over the environment. `--listen` names a free port while `PIGEON_LISTEN`
-/// names port 1, where the server cannot serve: it must answer on the flag's port (`start`
-/// waits for `/readyz` there). `--max-content-bytes` and `PIGEON_MAX_CONTENT_BYTES` are set
+/// pins the flag over the environment. `--listen` names port 0 (any free port) while
+/// `PIGEON_LISTEN` names port 1: the server must bind a port other than 1 (`start` reads the
+/// address it prints and waits for `/readyz` there). `--max-content-bytes` and `PIGEON_MAX_CONTENT_BYTES` are set
 /// both ways round, so that neither the larger nor the smaller limit wins by itself: 50 bytes
 /// of content pass under a flag of 100 with the environment at 10, and are refused with
 /// `payload_too_large` under a flag of 10 with the environment at 100.
@@ -526,16 +506,13 @@ async fn flags_win_over_the_environment() {
         ("flagenv-b", "10", "100", false),
     ] {
         let dir = temp_dir(tag);
-        let port = free_port();
-        let listen = format!("127.0.0.1:{port}");
         let mut p = start(
             &dir,
-            port,
             &[
                 "--admin-key",
                 KEY,
                 "--listen",
-                listen.as_str(),
+                "127.0.0.1:0",
                 "--max-content-bytes",
                 flag,
             ],
@@ -545,6 +522,7 @@ async fn flags_win_over_the_environment() {
             ],
         )
         .await;
+        assert_ne!(p.port, 1, "the flag's address wins over the environment's");
         let admin = Http::new(p.base.clone()).with_bearer(KEY);
         admin.upsert_user(1, "a").await.unwrap();
         admin.upsert_user(2, "b").await.unwrap();
