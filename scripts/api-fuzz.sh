@@ -8,27 +8,37 @@
 set -euo pipefail
 bin=${1:-./target/debug/pigeon}
 examples=${2:-20}
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 dir=$(mktemp -d)
 key=fuzz-admin-key-0123456789
-"$bin" serve --data-dir "$dir" --listen "127.0.0.1:$port" --admin-key "$key" --send-rate-per-sec 0 >"$dir/server.log" 2>&1 &
+# Port 0: the server picks a free port and prints "pigeon: listening on http://ADDR" (a port
+# picked here could be taken by something else before the server binds it).
+"$bin" serve --data-dir "$dir" --listen 127.0.0.1:0 --admin-key "$key" --send-rate-per-sec 0 >"$dir/server.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -rf "$dir"' EXIT
-for _ in $(seq 1 100); do curl -sf "http://127.0.0.1:$port/readyz" >/dev/null && break; sleep 0.1; done
-api() { curl -sf "http://127.0.0.1:$port$1" -H "Authorization: Bearer $key" -H 'content-type: application/json' -d "$2"; }
+base=""
+for _ in $(seq 1 200); do
+  base="$(sed -n 's/^pigeon: listening on \(http:\/\/[^ ]*\).*/\1/p' "$dir/server.log" | head -n 1)"
+  [ -n "$base" ] && break
+  kill -0 "$pid" 2>/dev/null || { echo "FATAL: pigeon serve exited at start" >&2; cat "$dir/server.log" >&2; exit 1; }
+  sleep 0.1
+done
+[ -n "$base" ] || { echo "FATAL: pigeon serve did not say where it listens" >&2; exit 1; }
+for _ in $(seq 1 100); do curl -sf "$base/readyz" >/dev/null && break; sleep 0.1; done
+curl -sf "$base/readyz" >/dev/null || { echo "FATAL: $base/readyz never answered 200" >&2; exit 1; }
+api() { curl -sf "$base$1" -H "Authorization: Bearer $key" -H 'content-type: application/json' -d "$2"; }
 api /v1/admin/users '{"user_id":1,"name":"fuzz"}' >/dev/null
 api /v1/admin/users '{"user_id":2,"name":"peer"}' >/dev/null
 token=$(api /v1/admin/tokens '{"user_id":1}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["token"])')
 # Some data, so that reads answer real objects that the response schemas are checked against.
-as_user() { curl -sf "http://127.0.0.1:$port$1" -H "Authorization: Bearer $token" -H 'content-type: application/json' -d "$2"; }
+as_user() { curl -sf "$base$1" -H "Authorization: Bearer $token" -H 'content-type: application/json' -d "$2"; }
 as_user /v1/messages '{"client_msg_id":"seed-1","to":{"user":2},"kind":"text","content":"hello"}' >/dev/null
 as_user /v1/groups '{"name":"seed","members":[2]}' >/dev/null
-schemathesis run "http://127.0.0.1:$port/openapi.json" \
+schemathesis run "$base/openapi.json" \
   -H "Authorization: Bearer $token" \
   --max-examples "$examples" --seed 42 \
   --checks all --exclude-checks positive_data_acceptance
 # The admin operations, with the admin key.
-schemathesis run "http://127.0.0.1:$port/openapi.json" \
+schemathesis run "$base/openapi.json" \
   -H "Authorization: Bearer $key" --include-path-regex '^/v1/admin' \
   --max-examples "$examples" --seed 42 \
   --checks all --exclude-checks positive_data_acceptance

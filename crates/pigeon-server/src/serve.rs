@@ -71,6 +71,7 @@ pub async fn serve(
     // Shown from the start, not from the first refusal.
     metrics::counter!("pigeon_connections_refused_total").increment(0);
     metrics::gauge!("pigeon_tcp_connections").increment(0.0);
+    metrics::gauge!("pigeon_connections").increment(0.0);
     loop {
         let place = if let Ok(place) = places.clone().try_acquire_owned() {
             Place::Served(place)

@@ -51,7 +51,6 @@ pub async fn readyz(State(app): State<AppRef>) -> impl IntoResponse {
 }
 
 pub async fn metrics(State(app): State<AppRef>) -> impl IntoResponse {
-    metrics::gauge!("pigeon_connections_open").set(app.hub.connection_count() as f64);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         app.metrics.render(),

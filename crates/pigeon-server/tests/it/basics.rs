@@ -47,6 +47,7 @@ async fn health_ready_metrics_and_openapi_answer() {
         "pigeon_read_wait_seconds_bucket",
         "pigeon_tcp_connections",
         "pigeon_connections_refused_total",
+        "pigeon_connections ",
     ] {
         assert!(text.contains(name), "{name} missing from: {text}");
     }
