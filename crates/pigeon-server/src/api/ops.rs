@@ -65,7 +65,12 @@ pub async fn not_found() -> ApiError {
     ApiError::new(ErrorCode::NotFound, "no such endpoint")
 }
 
-pub async fn method_not_allowed() -> impl IntoResponse {
-    let body = ApiError::invalid("method not allowed on this endpoint").body();
-    (StatusCode::METHOD_NOT_ALLOWED, axum::Json(body))
+/// A known path with a method it does not take: PROTOCOL.md 1's table has no 405, and
+/// "every error is ... over HTTP with the status below", so this is `404 not_found` (there is
+/// no such endpoint: an endpoint is a method and a path), with a message that says which.
+pub async fn method_not_allowed(method: axum::http::Method) -> ApiError {
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("this path does not take {method}"),
+    )
 }

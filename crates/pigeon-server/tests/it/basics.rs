@@ -73,11 +73,12 @@ async fn every_documented_endpoint_is_routed() {
             .unwrap();
         let status = resp.status().as_u16();
         let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
-        let fell_through = status == 404 && body["message"] == "no such endpoint";
-        assert!(
-            !fell_through && status != 405,
-            "{method} {path} is not routed ({status})"
-        );
+        let fell_through = status == 404
+            && (body["message"] == "no such endpoint"
+                || body["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("this path does not take")));
+        assert!(!fell_through, "{method} {path} is not routed ({status})");
     }
 }
 
@@ -872,21 +873,22 @@ async fn a_silent_connection_is_closed_with_1001_after_two_heartbeats() {
 /// server once checked every half heartbeat, closing up to half a heartbeat late).
 #[tokio::test]
 async fn the_silence_limit_is_two_heartbeats_from_the_last_frame() {
-    let s = spawn_with(|c| c.heartbeat_ms = 2000).await;
+    let s = spawn_with(|c| c.heartbeat_ms = 4000).await;
     let t = s.token(113).await;
     let mut ws = s.ws(&t, "d").await;
-    // Halfway between two of the old half-heartbeat ticks (1 s apart), which then closed
-    // it 4.5 s after the ping, not 4.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Halfway between two of the old half-heartbeat ticks (2 s apart), which then closed
+    // it 9 s after the ping, not 8.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
     let pinged = std::time::Instant::now();
     let pong = request(&mut ws, json!({"type": "ping"}), 1).await;
     assert_eq!(pong["type"], "pong");
-    assert_eq!(ws.closed(WAIT).await, Some(1001));
+    assert_eq!(ws.closed(Duration::from_secs(15)).await, Some(1001));
     let silent = pinged.elapsed();
     // The server saw the ping after it was sent: never sooner than two heartbeats after
-    // it; later only by the machine's scheduling.
+    // it; later only by the machine's scheduling (up to 700 ms allowed: the full suite on
+    // two busy cores).
     assert!(
-        silent >= Duration::from_millis(4000) && silent < Duration::from_millis(4300),
+        silent >= Duration::from_millis(8000) && silent < Duration::from_millis(8700),
         "closed {silent:?} after the ping"
     );
 }

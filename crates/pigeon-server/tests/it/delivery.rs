@@ -229,15 +229,15 @@ async fn unacknowledged_pushes_are_resent_and_acknowledged_ones_are_not() {
 /// `push-retry-ms`": each push is sent again that long after it was sent, neither sooner
 /// (a client acknowledging within the time sees no resend) nor at a later tick (the server
 /// once checked every quarter retry, so a push sent between two checks waited for the next:
-/// here the second push, sent halfway between two, half a second).
+/// here the second push, sent about halfway between two, a second).
 #[tokio::test]
 async fn each_push_is_resent_push_retry_ms_after_it_was_sent() {
-    let s = spawn_with(|c| c.push_retry_ms = 4000).await;
+    let s = spawn_with(|c| c.push_retry_ms = 8000).await;
     let alice = s.user(11).await;
     let tb = s.token(12).await;
     let mut b = s.ws(&tb, "b").await;
     let mut pushed = Vec::new();
-    for (i, pause) in [(1, 0), (2, 500)] {
+    for (i, pause) in [(1, 0), (2, 1000)] {
         tokio::time::sleep(Duration::from_millis(pause)).await;
         // Before the send: the server pushes, and starts the push's retry, after it.
         let sent = std::time::Instant::now();
@@ -254,8 +254,10 @@ async fn each_push_is_resent_push_retry_ms_after_it_was_sent() {
         let again = next_msg(&mut b).await;
         let took = sent.elapsed();
         assert_eq!(again, frame, "resent in the order they were sent");
+        // Later only by the machine's scheduling (up to 700 ms allowed: the full suite on
+        // two busy cores).
         assert!(
-            took >= Duration::from_millis(4000) && took < Duration::from_millis(4300),
+            took >= Duration::from_millis(8000) && took < Duration::from_millis(8700),
             "resent {took:?} after the send"
         );
     }

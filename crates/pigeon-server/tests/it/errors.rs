@@ -1299,3 +1299,26 @@ async fn a_half_sent_request_head_is_cut_off() {
         "not cut off at once"
     );
 }
+
+/// PROTOCOL.md 1: "Every error is `{"code": ..., "message": ...}`, over HTTP with the status
+/// below": a path nobody serves and a served path with a method it does not take both
+/// answer a row of the table, `404 not_found` (there is no 405 in it).
+#[tokio::test]
+async fn unknown_paths_and_wrong_methods_answer_404_not_found() {
+    let s = spawn_server().await;
+    let alice = s.user(1).await;
+    for (method, path) in [
+        (Method::GET, "/v1/nothing-here"),
+        (Method::PUT, "/v1/messages"),
+        (Method::DELETE, "/v1/groups/g1/members"),
+        (Method::POST, "/v1/unread"),
+        (Method::PATCH, "/v1/conversations"),
+    ] {
+        let (status, code) = status_and_code(&alice, method.clone(), path, None).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (404, "not_found"),
+            "{method} {path}"
+        );
+    }
+}
