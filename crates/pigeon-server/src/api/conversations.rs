@@ -7,6 +7,7 @@ use crate::error::{ApiError, ApiResult};
 use axum::Json;
 use axum::extract::State;
 use pigeon_core::command::{Command, Reply, SettingsPatch};
+use pigeon_core::rules::visible_range;
 use pigeon_core::store::{HistoryAnchor, HistoryQuery, ListCursor};
 use pigeon_proto::views::ConversationView;
 use pigeon_proto::{DeviceId, ErrorCode};
@@ -215,7 +216,14 @@ pub async fn receipts(
     ApiQuery(q): ApiQuery<ReceiptParams>,
 ) -> ApiResult<Json<Value>> {
     let conv = parse_conversation(&id)?;
-    let (lo, hi) = app.readable_range(me, &conv, Some(q.seq)).await?;
+    let m = app.membership(me, &conv).await?;
+    // Receipts are today's reads by today's members: a former member would learn who joined
+    // and who read after their removal (PROTOCOL.md 1: nothing of a conversation one is not
+    // in), so they answer `not_member` whatever the seq.
+    if m.left_seq.is_some() {
+        return Err(ApiError::not_member());
+    }
+    let (lo, hi) = visible_range(m.joined_seq, None, m.conversation_seq);
     if !(lo..=hi).contains(&q.seq) {
         return Err(ApiError::not_found("message"));
     }

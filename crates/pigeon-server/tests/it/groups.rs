@@ -1096,7 +1096,7 @@ async fn history_after_the_removal_answers_not_member() {
     let bob = s.user(2).await;
     let _ = s.user(3).await;
     let gid = new_group_named(&owner, "g", &[2, 3]).await;
-    owner
+    let before = owner
         .post("/v1/messages", &text_to_conv("k1", &gid, "before"))
         .await
         .unwrap();
@@ -1110,6 +1110,21 @@ async fn history_after_the_removal_answers_not_member() {
         .unwrap();
     // Up to the removal (seq 3) stays readable; anything after it is not theirs.
     assert_eq!(history_seqs(&bob, &gid, "").await, vec![1, 2, 3]);
+    // A message reads as it is now: its sender's edit after the removal shows (the `edit`
+    // command, seq 5, does not).
+    owner
+        .patch(
+            &format!("/v1/messages/{}", before["msg_id"].as_str().unwrap()),
+            &json!({"content": "corrected"}),
+        )
+        .await
+        .unwrap();
+    let seen = history_msgs(&bob, &gid, "").await;
+    assert_eq!(seen.len(), 3);
+    assert_eq!(
+        (&seen[1]["content"], &seen[1]["version"]),
+        (&json!("corrected"), &json!(2))
+    );
     assert_eq!(
         code_of(
             bob.get(&format!("/v1/conversations/{gid}/messages?after=3"))
@@ -1126,13 +1141,17 @@ async fn history_after_the_removal_answers_not_member() {
         ),
         "not_member"
     );
-    assert_eq!(
-        code_of(
-            bob.get(&format!("/v1/conversations/{gid}/receipts?seq=4"))
-                .await
-        ),
-        "not_member"
-    );
+    // Receipts are today's reads by today's members, even of a seq they could read: who
+    // joined and who read after the removal is not theirs to learn.
+    for seq in [2, 4] {
+        assert_eq!(
+            code_of(
+                bob.get(&format!("/v1/conversations/{gid}/receipts?seq={seq}"))
+                    .await
+            ),
+            "not_member"
+        );
+    }
     let r = bob
         .get(&format!(
             "/v1/conversations/{gid}/messages/range?from=1&to=4"
