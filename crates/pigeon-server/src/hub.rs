@@ -177,20 +177,29 @@ pub struct Hub {
     /// Long polls in progress; when none, publishing skips the waiters lock.
     waiting: AtomicUsize,
     offline: Option<OfflineHook>,
-    /// Receipts of large conversations, coalesced per (conversation, reader) until the next
-    /// flush: the newest position, who to tell, and the device not to tell.
-    pending_receipts: Mutex<HashMap<(ConversationId, UserId), PendingReceipt>>,
+    /// Receipts per (conversation, reader) within the last [`RECEIPT_FLUSH_EVERY`]: when
+    /// one last went out, and the newest held back since (see [`Hub::publish`]'s receipts).
+    receipts: Mutex<HashMap<(ConversationId, UserId), ReceiptPace>>,
 }
 
-struct PendingReceipt {
+/// One reader's receipts in one conversation, paced.
+struct ReceiptPace {
+    /// When one last went out (none yet: only held ones): the next waits for a flush unless
+    /// this is [`RECEIPT_FLUSH_EVERY`] ago.
+    sent_at: Option<std::time::Instant>,
+    /// The newest held back: its position, who to tell, and the device not to tell.
+    held: Option<HeldReceipt>,
+}
+
+struct HeldReceipt {
     last_read_seq: u64,
     to: Vec<UserId>,
     except_device: Option<DeviceId>,
 }
 
-/// Receipts of conversations with more members than this are coalesced.
-pub const RECEIPT_DIRECT_MAX_MEMBERS: usize = 64;
-/// How often coalesced receipts go out.
+/// How often held-back receipts go out: a reader's receipts in a conversation reach the
+/// others at most about twice per this (PROTOCOL.md 5.4: "at most a few per second per
+/// conversation"), the first at once.
 pub const RECEIPT_FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl Default for Hub {
@@ -203,7 +212,7 @@ impl Default for Hub {
             waiters: Mutex::new(HashMap::new()),
             waiting: AtomicUsize::new(0),
             offline: None,
-            pending_receipts: Mutex::new(HashMap::new()),
+            receipts: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -445,7 +454,34 @@ impl Hub {
                     to,
                     except_device,
                 } => {
-                    if to.len() <= RECEIPT_DIRECT_MAX_MEMBERS {
+                    // The first of a reader's receipts in a conversation goes at once; those
+                    // that follow within the flush interval are held, and only the newest
+                    // goes at the flush: a client that marks every message read as it shows
+                    // it costs the others a few frames a second, not one per message.
+                    let now = std::time::Instant::now();
+                    let mut paced = self.receipts.lock().expect("receipts lock");
+                    let pace = paced
+                        .entry((conversation.clone(), user))
+                        .or_insert(ReceiptPace {
+                            sent_at: None,
+                            held: None,
+                        });
+                    let paced_now = pace
+                        .sent_at
+                        .is_some_and(|at| now - at < RECEIPT_FLUSH_EVERY);
+                    if pace.held.is_some() || paced_now {
+                        let newest = pace
+                            .held
+                            .as_ref()
+                            .map_or(last_read_seq, |h| h.last_read_seq.max(last_read_seq));
+                        pace.held = Some(HeldReceipt {
+                            last_read_seq: newest,
+                            to,
+                            except_device,
+                        });
+                    } else {
+                        pace.sent_at = Some(now);
+                        drop(paced);
                         self.send_receipt(
                             conversation,
                             user,
@@ -453,18 +489,6 @@ impl Hub {
                             &to,
                             except_device.as_ref(),
                         );
-                    } else {
-                        let mut pending = self.pending_receipts.lock().expect("receipts lock");
-                        let entry = pending
-                            .entry((conversation, user))
-                            .or_insert(PendingReceipt {
-                                last_read_seq,
-                                to: Vec::new(),
-                                except_device: None,
-                            });
-                        entry.last_read_seq = entry.last_read_seq.max(last_read_seq);
-                        entry.to = to;
-                        entry.except_device = except_device;
                     }
                 }
                 Event::SettingsChanged {
@@ -504,17 +528,31 @@ impl Hub {
         self.send_to_users(to, &frame, except.map(|d| (user, d)));
     }
 
-    /// Sends the coalesced receipts of large conversations (called every
-    /// [`RECEIPT_FLUSH_EVERY`]).
+    /// Sends the held-back receipts (called every [`RECEIPT_FLUSH_EVERY`]), and forgets the
+    /// readers with nothing held whose last receipt is that long ago (their next goes at
+    /// once), so the map holds only the readers of about the last interval.
     pub fn flush_receipts(&self) {
-        let pending = std::mem::take(&mut *self.pending_receipts.lock().expect("receipts lock"));
-        for ((conversation, user), p) in pending {
+        let now = std::time::Instant::now();
+        let mut held = Vec::new();
+        self.receipts.lock().expect("receipts lock").retain(
+            |(conversation, user), pace| match pace.held.take() {
+                Some(h) => {
+                    held.push((conversation.clone(), *user, h));
+                    pace.sent_at = Some(now);
+                    true
+                }
+                None => pace
+                    .sent_at
+                    .is_some_and(|at| now - at < RECEIPT_FLUSH_EVERY),
+            },
+        );
+        for (conversation, user, h) in held {
             self.send_receipt(
                 conversation,
                 user,
-                p.last_read_seq,
-                &p.to,
-                p.except_device.as_ref(),
+                h.last_read_seq,
+                &h.to,
+                h.except_device.as_ref(),
             );
         }
     }

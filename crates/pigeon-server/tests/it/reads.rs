@@ -210,6 +210,51 @@ async fn receipts_reach_the_peer_and_the_readers_other_devices() {
     assert!(stray.is_none(), "{stray:?}");
 }
 
+/// PROTOCOL.md 5.4: the server "may coalesce these, at most a few per second per
+/// conversation". A client that marks each message read as it shows it (30 reads at once)
+/// costs its peer a few receipts: the first at once, then the newest each flush, never an
+/// older position after a newer one, and the last read always arrives.
+#[tokio::test]
+async fn a_burst_of_reads_reaches_the_peer_as_a_few_receipts_ending_at_the_newest() {
+    let s = spawn_server().await;
+    let (ta, tb) = (s.token(111).await, s.token(222).await);
+    let alice = s.anon().with_bearer(ta.clone());
+    send_n(&alice, 222, "m", 30).await;
+    let mut a = s.ws(&ta, "a-phone").await;
+    let mut b = s.ws(&tb, "b-phone").await;
+    let started = std::time::Instant::now();
+    for seq in 1..=30 {
+        b.send(&json!({"type": "read", "conversation_id": "111-222", "seq": seq}))
+            .await
+            .unwrap();
+    }
+    let mut seen = Vec::new();
+    while seen.last() != Some(&30) {
+        let r = a
+            .recv_until(WAIT, |v| v["type"] == "receipt")
+            .await
+            .unwrap()
+            .expect("a receipt up to the last read");
+        seen.push(r["last_read_seq"].as_u64().unwrap());
+    }
+    let took = started.elapsed();
+    assert_eq!(seen[0], 1, "the first goes at once: {seen:?}");
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+    // Reads committed over up to a few flushes (250 ms each) on a busy machine: a receipt
+    // per flush at most, plus the first.
+    let flushes = took.as_millis() / 250 + 2;
+    assert!(
+        seen.len() as u128 <= flushes && seen.len() < 30,
+        "{} receipts in {took:?}: {seen:?}",
+        seen.len()
+    );
+    let stray = a
+        .recv_until(Duration::from_millis(600), |v| v["type"] == "receipt")
+        .await
+        .unwrap();
+    assert!(stray.is_none(), "nothing after the newest: {stray:?}");
+}
+
 #[tokio::test]
 async fn receipts_list_who_read_a_message() {
     let s = spawn_server().await;
