@@ -96,7 +96,16 @@ impl IntoResponse for ApiError {
         let status = StatusCode::from_u16(self.code.http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         metrics::counter!("pigeon_http_errors_total", "code" => self.code.as_str()).increment(1);
-        (status, axum::Json(self.body())).into_response()
+        let mut response = (status, axum::Json(self.body())).into_response();
+        // HTTP's own hint too (whole seconds, rounded up), for clients and proxies that
+        // know only that: the body's `retry_after_ms` is the protocol's, and exact.
+        if let Some(ms) = self.retry_after_ms {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(ms.div_ceil(1000)),
+            );
+        }
+        response
     }
 }
 

@@ -421,6 +421,21 @@ async fn sending_too_fast_answers_rate_limited_with_a_retry_hint() {
     let body = limited.expect("a burst of 100 is over a limit of 5/s (bursts of 50)");
     assert_eq!(body["code"], "rate_limited");
     assert!(body["retry_after_ms"].as_u64().unwrap() >= 1);
+    // HTTP's own `Retry-After` too, in whole seconds rounded up (a send refills in 200 ms).
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/messages", s.base))
+        .bearer_auth(&t)
+        .json(&text_to_user("r-header", 2, "x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 429);
+    assert_eq!(
+        resp.headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
     // The WebSocket path shares the user's allowance.
     let e = request(&mut ws, send_frame(text_to_user("ws-1", 2, "x")), 1).await;
     assert_eq!(e["code"], "rate_limited");
