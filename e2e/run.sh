@@ -6,6 +6,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
+source "$root/scripts/listen-url.sh"
 bin="${PIGEON_BIN:-$root/target/debug/pigeon}"
 chromium="${CHROMIUM_PATH:-/usr/bin/chromium}"
 
@@ -40,14 +41,7 @@ trap cleanup EXIT INT TERM
   --send-rate-per-sec 0 --fanout-write-max-members 2 >"$data/server.out" 2>"$data/server.log" &
 pid=$!
 
-url=""
-for _ in $(seq 1 200); do
-  url="$(sed -n 's/^pigeon: listening on \(http:\/\/[^ ]*\).*/\1/p' "$data/server.out" | head -n 1)"
-  [ -n "$url" ] && break
-  kill -0 "$pid" 2>/dev/null || { echo "FATAL: pigeon serve exited at start" >&2; cat "$data/server.out" >&2; exit 1; }
-  sleep 0.1
-done
-[ -n "$url" ] || { echo "FATAL: pigeon serve did not say where it listens" >&2; exit 1; }
+url="$(pigeon_listen_url "$pid" "$data/server.out")"
 
 ready=""
 for _ in $(seq 1 200); do

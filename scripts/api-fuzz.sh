@@ -8,6 +8,7 @@
 # "unsupported method" (405 for a method a path does not take): PROTOCOL.md 1 says every
 # error has a status of its table, which has no 405, so Pigeon answers 404 not_found.
 set -euo pipefail
+source "$(dirname "$0")/listen-url.sh"
 bin=${1:-./target/debug/pigeon}
 examples=${2:-20}
 dir=$(mktemp -d)
@@ -17,14 +18,7 @@ key=fuzz-admin-key-0123456789
 "$bin" serve --data-dir "$dir" --listen 127.0.0.1:0 --admin-key "$key" --send-rate-per-sec 0 >"$dir/server.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -rf "$dir"' EXIT
-base=""
-for _ in $(seq 1 200); do
-  base="$(sed -n 's/^pigeon: listening on \(http:\/\/[^ ]*\).*/\1/p' "$dir/server.log" | head -n 1)"
-  [ -n "$base" ] && break
-  kill -0 "$pid" 2>/dev/null || { echo "FATAL: pigeon serve exited at start" >&2; cat "$dir/server.log" >&2; exit 1; }
-  sleep 0.1
-done
-[ -n "$base" ] || { echo "FATAL: pigeon serve did not say where it listens" >&2; exit 1; }
+base="$(pigeon_listen_url "$pid" "$dir/server.log")"
 for _ in $(seq 1 100); do curl -sf "$base/readyz" >/dev/null && break; sleep 0.1; done
 curl -sf "$base/readyz" >/dev/null || { echo "FATAL: $base/readyz never answered 200" >&2; exit 1; }
 api() { curl -sf "$base$1" -H "Authorization: Bearer $key" -H 'content-type: application/json' -d "$2"; }
