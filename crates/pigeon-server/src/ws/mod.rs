@@ -2,6 +2,15 @@
 //! task per connection that reads frames in order, writes what the outbox holds (coalesced
 //! into one flush), keeps pushes until they are acknowledged and resends them, and records the
 //! device's acknowledged position (its sync cursor).
+//!
+//! `frames` reads and answers the client's frames, `delivery` keeps the pushes until
+//! they are acknowledged and saves the acknowledged positions, `codec` turns frames into
+//! the connection's subprotocol; this module holds the connection's loop, its barriers and
+//! its timers.
+
+mod codec;
+mod delivery;
+mod frames;
 
 use crate::app::AppRef;
 use crate::auth::bearer;
@@ -9,16 +18,17 @@ use crate::error::ApiError;
 use crate::hub::{
     Admission, KillReason, Outbox, OutboxReader, Outgoing, PushChain, Refused, Registration,
 };
-use crate::pipeline::{ReplyTo, Tier, now_ms};
+use crate::pipeline::{Tier, now_ms};
 use crate::protobuf;
-use axum::extract::ws::{CloseFrame, Message as WsMessage, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
+use codec::Codec;
+use delivery::Pending;
+use frames::{Answer, BAD_FRAMES_PER_WINDOW, req_in};
 use futures_util::{SinkExt, StreamExt};
-use pigeon_core::command::{Command, CursorChain};
-use pigeon_core::rules::validate_send;
-use pigeon_proto::frames::{AckFrame, ClientFrame, ServerFrame};
+use pigeon_proto::frames::ServerFrame;
 use pigeon_proto::{ConversationId, DeviceId, ErrorCode, UserId};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -28,20 +38,11 @@ use std::time::{Duration, Instant};
 pub const MAX_FRAME_BYTES: usize = 1 << 20;
 /// Frames larger than this are not read at all: the connection is closed with 1009.
 const MAX_READ_BYTES: usize = 2 << 20;
-/// Pushes kept for resending per connection; past this the oldest are left to pull.
-const MAX_UNACKED: usize = 8192;
-/// Sends of one push before leaving it to the client's pull.
-const MAX_PUSH_TRIES: u8 = 4;
 /// Longest wait of a barrier (a `sync`, a `pull`, an answer given at once) for this
 /// connection's own queued commands. The outbox is written meanwhile, so a long wait holds
 /// only this client's later frames, which must wait anyway to be answered in order; the
 /// bound is for a pipeline that neither commits nor refuses.
 const OWN_SENDS_WAIT: Duration = Duration::from_secs(10);
-/// Bad frames tolerated per window before the connection is closed with 1008: enough that
-/// a client checking its validation case by case on one connection is answered every time,
-/// few enough that one sending garbage in a loop is cut off within a second.
-const BAD_FRAMES_PER_WINDOW: u32 = 100;
-const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
 /// Bytes read from the socket at a time, the read buffer's capacity reserved for every
 /// connection up front: an idle connection's largest buffer. A client frame is ~100-300
 /// bytes, so one or two fit. A larger frame (up to the frame limit) grows the buffer to its
@@ -52,11 +53,6 @@ const BAD_FRAME_WINDOW: Duration = Duration::from_secs(10);
 const READ_BUFFER_BYTES: usize = 512;
 /// Bytes of frames gathered before they are written to the socket (see [`upgrade`]).
 const WRITE_BUFFER_BYTES: usize = 16 * 1024;
-/// Conversations a connection's typing throttle tracks at once (each for a second).
-const MAX_TYPING_TRACKED: usize = 256;
-/// Chains one connection holds acknowledged positions of between two saves (every second);
-/// past this they are saved at once.
-const MAX_ACKED_CHAINS: usize = 1024;
 /// Frames written before one flush.
 const COALESCE_MAX: usize = 256;
 const CURSOR_FLUSH_EVERY: Duration = Duration::from_secs(1);
@@ -194,12 +190,6 @@ async fn authorize(
     Ok((user, device, admission, token_gen))
 }
 
-struct Pending {
-    frame: Utf8Bytes,
-    sent_at: Instant,
-    tries: u8,
-}
-
 /// How the connection loop ends: with a close frame, or because the peer is gone.
 enum Stop {
     Close(u16, &'static str),
@@ -248,36 +238,6 @@ struct SentOn {
 impl SentOn {
     fn any(self) -> bool {
         self.fast || self.bulk
-    }
-}
-
-/// How one connection's frames travel: JSON text (`pigeon.v1.json`, also when the client
-/// asked for no subprotocol), or protobuf in binary frames (`pigeon.v1.proto`, transcoded
-/// from and to the same JSON frames at this edge).
-#[derive(Clone, Copy)]
-enum Codec {
-    Json,
-    Proto(&'static protobuf::Schema),
-}
-
-impl Codec {
-    fn of(socket: &WebSocket) -> Codec {
-        match socket.protocol().map(|p| p.as_bytes()) {
-            Some(p) if p == protobuf::SUBPROTOCOL.as_bytes() => {
-                Codec::Proto(protobuf::Schema::get().expect("the schema is compiled at start"))
-            }
-            _ => Codec::Json,
-        }
-    }
-
-    /// A server frame, as this connection's WebSocket message.
-    fn message(self, frame: Utf8Bytes) -> WsMessage {
-        match self {
-            Codec::Json => WsMessage::Text(frame),
-            Codec::Proto(schema) => {
-                WsMessage::Binary(schema.server_frame_for_client(frame.as_str()).into())
-            }
-        }
     }
 }
 
@@ -384,37 +344,6 @@ async fn answer(conn: &mut Connection, mut w: Writer<'_>, text: &str) -> Result<
                 Answer::AfterOwnSends => unreachable!("handled after its barrier"),
             }
         }
-    }
-}
-
-/// The answer to a request whose success has no frame of its own: `ok` when it carried a
-/// `req` ("the reply to it carries the same `req`"), nothing otherwise.
-fn done(req: Option<i64>) -> Vec<String> {
-    req.map(|req| vec![ServerFrame::Ok { req }.to_json()])
-        .unwrap_or_default()
-}
-
-/// The `req` of a frame that is refused unread (one over the size limit, a binary frame on
-/// the JSON subprotocol), when it holds a JSON object with one: its error then carries it,
-/// as every other does.
-fn req_in(frame: &[u8]) -> Option<i64> {
-    serde_json::from_slice::<FrameHead>(frame)
-        .ok()
-        .and_then(|h| h.req.and_then(|r| r.int()))
-}
-
-/// What handling a frame came to.
-enum Answer {
-    /// The frames to write at once, in order (none for most frames).
-    Now(Vec<String>),
-    /// The frame reads what this connection's own commands change: handle it again once
-    /// they are committed.
-    AfterOwnSends,
-}
-
-impl From<Vec<String>> for Answer {
-    fn from(replies: Vec<String>) -> Answer {
-        Answer::Now(replies)
     }
 }
 
@@ -771,366 +700,6 @@ fn is_too_big(e: &axum::Error) -> bool {
 }
 
 impl Connection {
-    /// The text to write for an outbox entry; pushes are remembered until acknowledged.
-    fn frame_to_write(&mut self, out: Outgoing) -> Option<Utf8Bytes> {
-        match out {
-            Outgoing::Frame(f) => Some(f),
-            // Handled where the outbox is read (`feed_queued`): not a frame.
-            Outgoing::SaveCursors(_) => None,
-            Outgoing::Push { chain, frame } => {
-                if self.unacked.len() >= MAX_UNACKED {
-                    self.unacked.pop_first();
-                }
-                self.unacked.insert(
-                    chain,
-                    Pending {
-                        frame: frame.clone(),
-                        sent_at: Instant::now(),
-                        tries: 1,
-                    },
-                );
-                Some(frame)
-            }
-        }
-    }
-
-    /// Pushes unacknowledged for `retry` or longer, to send again (those tried enough are
-    /// dropped: the client finds the hole and pulls), and when the next of the others comes
-    /// due, so that each is sent again `retry` after it was sent, not at a later tick.
-    fn due_resends(&mut self) -> (Vec<Utf8Bytes>, Option<Instant>) {
-        let retry = self.push_retry();
-        let now = Instant::now();
-        let mut out = Vec::new();
-        let mut next_due: Option<Instant> = None;
-        self.unacked.retain(|_, p| {
-            if now.duration_since(p.sent_at) >= retry {
-                if p.tries >= MAX_PUSH_TRIES {
-                    return false;
-                }
-                p.tries += 1;
-                p.sent_at = now;
-                out.push(p.frame.clone());
-            }
-            let due = p.sent_at + retry;
-            next_due = Some(next_due.map_or(due, |d| d.min(due)));
-            true
-        });
-        if !out.is_empty() {
-            metrics::counter!("pigeon_push_resends_total").increment(out.len() as u64);
-        }
-        (out, next_due)
-    }
-
-    fn bad_frame(&mut self, req: Option<i64>, message: &str) -> Vec<String> {
-        self.count_bad_frame();
-        vec![ApiError::invalid(message).frame(req)]
-    }
-
-    /// The answer to a frame over [`MAX_FRAME_BYTES`], which counts as bad.
-    fn too_large(&mut self, req: Option<i64>) -> Vec<String> {
-        self.count_bad_frame();
-        vec![ApiError::new(ErrorCode::PayloadTooLarge, "frame is over 1 MiB").frame(req)]
-    }
-
-    fn count_bad_frame(&mut self) {
-        if self.bad_window_start.elapsed() > BAD_FRAME_WINDOW {
-            self.bad_window_start = Instant::now();
-            self.bad_frames = 0;
-        }
-        self.bad_frames += 1;
-    }
-
-    /// Handles one text frame; `barrier_done` when this connection's own commands were
-    /// waited for since it came (see [`Answer::AfterOwnSends`]).
-    async fn handle_text(&mut self, text: &str, barrier_done: bool) -> Answer {
-        if text.len() > MAX_FRAME_BYTES {
-            // Read whole (up to the 2 MiB the socket accepts), so its `req` can be echoed; it
-            // counts as a bad frame, so a client cannot have the server parse them forever.
-            return self.too_large(req_in(text.as_bytes())).into();
-        }
-        // First only what every frame has (the rest is skipped, but its syntax checked),
-        // then the typed frame straight from the text: no intermediate JSON tree.
-        if !text.trim_start().starts_with('{') {
-            return match serde_json::from_str::<serde::de::IgnoredAny>(text) {
-                Ok(_) => self.bad_frame(None, "frame must be a JSON object"),
-                Err(_) => self.bad_frame(None, "frame is not valid JSON"),
-            }
-            .into();
-        }
-        let head: FrameHead = match serde_json::from_str(text) {
-            Ok(h) => h,
-            Err(_) => return self.bad_frame(None, "frame is not valid JSON").into(),
-        };
-        let req = head.req.as_ref().and_then(Scalar::int);
-        if matches!(head.req, Some(Scalar::Str(_) | Scalar::Other)) {
-            return self.bad_frame(None, "req must be an integer").into();
-        }
-        let kind = match &head.kind {
-            Some(Scalar::Str(t)) => t.as_str(),
-            _ => return self.bad_frame(req, "frame needs a string type").into(),
-        };
-        let frame = match ClientFrame::parse_typed(kind, text) {
-            None => {
-                return self
-                    .bad_frame(req, &format!("unknown frame type {kind:?}"))
-                    .into();
-            }
-            Some(Ok(f)) => f,
-            Some(Err(e)) => return self.bad_frame(req, &format!("bad frame: {e}")).into(),
-        };
-        if !barrier_done
-            && matches!(frame, ClientFrame::Sync(_) | ClientFrame::Pull(_))
-            && (self.cursors_dirty || self.sent_since_barrier.any())
-        {
-            // Queued behind this connection's commands: one barrier covers both.
-            self.flush_cursors(false).await;
-            return Answer::AfterOwnSends;
-        }
-        let result = self.dispatch(frame, req).await;
-        match result {
-            Ok(frames) => frames.into(),
-            Err(e) => {
-                // A frame refused for what it is (not for the state it meets) counts as bad:
-                // content over the limit too, which costs its parsing every time.
-                if matches!(
-                    e.code,
-                    ErrorCode::InvalidArgument | ErrorCode::PayloadTooLarge
-                ) {
-                    self.count_bad_frame();
-                }
-                vec![e.frame(req)].into()
-            }
-        }
-    }
-
-    async fn dispatch(
-        &mut self,
-        frame: ClientFrame,
-        req: Option<i64>,
-    ) -> Result<Vec<String>, ApiError> {
-        let app = self.app.clone();
-        match frame {
-            ClientFrame::Send(s) => {
-                // The allowance first: a refused frame costs its validation, not only a
-                // valid one.
-                app.limits.check_send(self.user)?;
-                let cmd = validate_send(self.user, s, app.limits())?;
-                let reply = ReplyTo::Connection {
-                    outbox: self.outbox.clone(),
-                    req,
-                };
-                let tier = app.pipeline.submit(Command::Send(cmd), reply).await?;
-                self.sent_on(tier);
-                Ok(Vec::new())
-            }
-            ClientFrame::Ack(a) => {
-                // The positions held between two saves are bounded: past the bound they
-                // are saved now rather than refused (what saving costs is bounded by the
-                // user's write allowance, see `flush_cursors`).
-                if self.cursors.len() >= MAX_ACKED_CHAINS {
-                    self.flush_cursors(false).await;
-                }
-                self.ack(a)?;
-                Ok(done(req))
-            }
-            ClientFrame::Sync(f) => {
-                // This connection's earlier commands and acks first.
-                self.flush_cursors(true).await;
-                let s = app.sync(self.user, &self.device, &f).await?;
-                let frame = ServerFrame::SyncResult {
-                    req,
-                    user_seq: s.user_seq,
-                    cursor: s.cursor,
-                    conversations: s.conversations,
-                };
-                Ok(vec![frame.to_json()])
-            }
-            ClientFrame::Pull(f) => {
-                // This connection's earlier commands and acks first.
-                self.flush_cursors(true).await;
-                let (items, has_more) = app.pull(self.user, &self.device, &f).await?;
-                Ok(vec![
-                    ServerFrame::PullResult {
-                        req,
-                        items,
-                        has_more,
-                    }
-                    .to_json(),
-                ])
-            }
-            ClientFrame::Read(r) => {
-                app.limits.check_send(self.user)?;
-                self.sent_on(Tier::Fast);
-                let cmd = Command::Read {
-                    user: self.user,
-                    conversation: r.conversation_id,
-                    seq: r.seq,
-                    from_device: Some(self.device.clone()),
-                };
-                app.pipeline
-                    .submit(
-                        cmd,
-                        ReplyTo::Connection {
-                            outbox: self.outbox.clone(),
-                            req,
-                        },
-                    )
-                    .await?;
-                Ok(Vec::new())
-            }
-            ClientFrame::Typing(t) => {
-                let now = Instant::now();
-                // A group's typing reaches every member (and reads the member list): at most
-                // one a second per connection. A single chat's goes to one peer: one every
-                // 200 ms (a client sends one every few seconds), so a loop cannot flood it.
-                let every = if t.conversation_id.is_group() {
-                    Duration::from_secs(1)
-                } else {
-                    Duration::from_millis(200)
-                };
-                match self.typing_last.get(&t.conversation_id) {
-                    Some((at, refused)) if now.duration_since(*at) < every => match refused {
-                        // A refused one is answered every time, not once and then silently.
-                        Some(code) => Err(ApiError::new(*code, "typing refused")),
-                        None => Ok(done(req)),
-                    },
-                    _ => {
-                        // Bounded without forgetting the throttle of a conversation still in
-                        // its window (a clear-all let a loop over 257 conversations through).
-                        if self.typing_last.len() >= MAX_TYPING_TRACKED
-                            && !self.typing_last.contains_key(&t.conversation_id)
-                        {
-                            self.typing_last.retain(|_, (at, _)| {
-                                now.duration_since(*at) < Duration::from_secs(1)
-                            });
-                            if self.typing_last.len() >= MAX_TYPING_TRACKED {
-                                let mut e = ApiError::new(
-                                    ErrorCode::RateLimited,
-                                    "typing in too many conversations at once",
-                                );
-                                e.retry_after_ms = Some(1_000);
-                                return Err(e);
-                            }
-                        }
-                        let result = app.typing(self.user, &t.conversation_id).await;
-                        match result.as_ref().err().map(|e| e.code) {
-                            // A lasting refusal is remembered; a store that failed is asked
-                            // again next time.
-                            Some(code)
-                                if !matches!(code, ErrorCode::NotMember | ErrorCode::NotFound) =>
-                            {
-                                self.typing_last.remove(&t.conversation_id);
-                            }
-                            refused => {
-                                self.typing_last
-                                    .insert(t.conversation_id.clone(), (now, refused));
-                            }
-                        }
-                        result.map(|()| done(req))
-                    }
-                }
-            }
-            ClientFrame::Ping => Ok(vec![
-                ServerFrame::Pong {
-                    req,
-                    server_time: now_ms(),
-                }
-                .to_json(),
-            ]),
-            ClientFrame::RoomJoin(r) => {
-                // A join that fails leaves the connection in the room it was in.
-                app.rooms
-                    .join(
-                        &r.room_id,
-                        self.user,
-                        self.registration.id(),
-                        self.outbox.clone(),
-                    )
-                    .map_err(|_| ApiError::not_found("room"))?;
-                // `join` took this connection out of the room it watched before.
-                self.room = Some(r.room_id.into_boxed_str());
-                Ok(done(req))
-            }
-            ClientFrame::RoomLeave(r) => {
-                if self.room.as_deref() == Some(r.room_id.as_str()) {
-                    app.rooms
-                        .leave(&r.room_id, self.user, self.registration.id());
-                    self.room = None;
-                }
-                Ok(done(req))
-            }
-            ClientFrame::RoomSend(r) => {
-                if r.content.is_empty() {
-                    return Err(ApiError::invalid("room content must not be empty"));
-                }
-                if r.content.len() > crate::rooms::MAX_ROOM_CONTENT {
-                    return Err(ApiError::new(
-                        ErrorCode::PayloadTooLarge,
-                        format!(
-                            "room content is at most {} bytes",
-                            crate::rooms::MAX_ROOM_CONTENT
-                        ),
-                    ));
-                }
-                let message = crate::rooms::room_message(self.user, r.content, now_ms());
-                app.rooms
-                    .send(&r.room_id, self.registration.id(), message)
-                    .map_err(|e| match e {
-                        crate::rooms::RoomError::NotJoined => ApiError::new(
-                            ErrorCode::NotMember,
-                            "join the room before sending to it",
-                        ),
-                        _ => ApiError::not_found("room"),
-                    })?;
-                Ok(done(req))
-            }
-        }
-    }
-
-    /// A cumulative acknowledgement: forget the pushes it covers, move the cursor forward.
-    fn ack(&mut self, a: AckFrame) -> Result<(), ApiError> {
-        let mut any = false;
-        if let Some(us) = a.user_seq {
-            self.unacked
-                .retain(|k, _| !matches!(k, PushChain::Inbox(s) if *s <= us));
-            self.advance("user", us);
-            any = true;
-        }
-        match (a.conversation_id, a.seq) {
-            (Some(conv), Some(seq)) => {
-                self.unacked.retain(
-                    |k, _| !matches!(k, PushChain::Conversation(c, s) if *c == conv && *s <= seq),
-                );
-                self.advance(conv.as_str(), seq);
-                any = true;
-            }
-            (None, None) => {}
-            _ => {
-                return Err(ApiError::invalid(
-                    "ack by conversation needs both conversation_id and seq",
-                ));
-            }
-        }
-        if !any {
-            return Err(ApiError::invalid(
-                "ack needs user_seq, or conversation_id and seq",
-            ));
-        }
-        Ok(())
-    }
-
-    fn advance(&mut self, chain: &str, seq: u64) {
-        // Nothing to move (and no entry, which would stay unsaved in the map).
-        if seq == 0 {
-            return;
-        }
-        let e = self.cursors.entry(chain.to_owned()).or_insert(0);
-        if seq > *e {
-            *e = seq;
-            self.cursors_dirty = true;
-        }
-    }
-
     /// Notes that this connection queued a command on `tier` (see `sent_since_barrier`).
     fn sent_on(&mut self, tier: Tier) {
         match tier {
@@ -1229,138 +798,6 @@ impl Connection {
                 }
             }
         }))
-    }
-
-    /// Writes acknowledged positions to the store; `wait` when a read follows that must see
-    /// them, or the connection ends: then the commands this connection queued before
-    /// (`wait_for_own_sends`) are committed first too.
-    async fn flush_cursors(&mut self, wait: bool) {
-        if self.cursors_dirty {
-            self.cursors_dirty = false;
-            self.last_cursor_flush = Instant::now();
-            let mut cmds = Vec::with_capacity(self.cursors.len());
-            for (chain, seq) in std::mem::take(&mut self.cursors) {
-                let chain = if chain == "user" {
-                    CursorChain::Inbox
-                } else {
-                    match ConversationId::parse(&chain) {
-                        Ok(c) => CursorChain::Conversation(c),
-                        Err(_) => continue,
-                    }
-                };
-                cmds.push(Command::AdvanceCursor {
-                    user: self.user,
-                    device: self.device.clone(),
-                    chain,
-                    seq,
-                });
-            }
-            // A group's position costs the store a journaled row and two lookups whatever
-            // id an ack names (`Changes::member_cursors`): each takes one write from the
-            // user's allowance, as a read mark does. Past it they are not saved (the device
-            // gets those messages again when it resumes); the inbox's always is.
-            let groups = cmds.iter().filter(|c| is_group_cursor(c)).count();
-            if groups > 0 && !self.app.limits.take_writes(self.user, groups) {
-                metrics::counter!("pigeon_cursor_saves_dropped_total").increment(groups as u64);
-                cmds.retain(|c| !is_group_cursor(c));
-            }
-            // Committed by the next barrier: a read's, the close's, or the one below.
-            self.sent_on(Tier::Fast);
-            for cmd in cmds {
-                if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
-                    tracing::warn!(error = %e, user = %self.user, "cursor not saved");
-                }
-            }
-        }
-        if wait {
-            // Queued first, waited for after: the pipeline is FIFO, so one barrier covers
-            // these saves and whatever this connection queued before them (a connection
-            // that ends unregisters after this, and a new one of the device then trusts the
-            // store).
-            self.wait_for_own_sends().await;
-        }
-    }
-}
-
-/// Whether `cmd` saves a position in a conversation's chain (not the inbox's).
-fn is_group_cursor(cmd: &Command) -> bool {
-    matches!(
-        cmd,
-        Command::AdvanceCursor {
-            chain: CursorChain::Conversation(_),
-            ..
-        }
-    )
-}
-
-/// The fields every client frame may carry, read before the frame itself.
-#[derive(serde::Deserialize)]
-struct FrameHead {
-    #[serde(rename = "type")]
-    kind: Option<Scalar>,
-    req: Option<Scalar>,
-}
-
-/// A head field as far as the head needs it. Arrays and objects are skipped, not built: a
-/// 1 MiB `req` of nested arrays would otherwise become a tree many times its size.
-enum Scalar {
-    Int(i64),
-    Str(String),
-    Null,
-    Other,
-}
-
-impl Scalar {
-    fn int(&self) -> Option<i64> {
-        match self {
-            Scalar::Int(i) => Some(*i),
-            _ => None,
-        }
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Scalar {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = Scalar;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_i64<E>(self, v: i64) -> Result<Scalar, E> {
-                Ok(Scalar::Int(v))
-            }
-            fn visit_u64<E>(self, v: u64) -> Result<Scalar, E> {
-                Ok(i64::try_from(v).map_or(Scalar::Other, Scalar::Int))
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<Scalar, E> {
-                Ok(Scalar::Other)
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<Scalar, E> {
-                Ok(Scalar::Other)
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Scalar, E> {
-                Ok(Scalar::Str(v.to_owned()))
-            }
-            fn visit_unit<E>(self) -> Result<Scalar, E> {
-                Ok(Scalar::Null)
-            }
-            fn visit_none<E>(self) -> Result<Scalar, E> {
-                Ok(Scalar::Null)
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Scalar, A::Error> {
-                while a.next_element::<serde::de::IgnoredAny>()?.is_some() {}
-                Ok(Scalar::Other)
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Scalar, A::Error> {
-                while a
-                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
-                    .is_some()
-                {}
-                Ok(Scalar::Other)
-            }
-        }
-        d.deserialize_any(V)
     }
 }
 

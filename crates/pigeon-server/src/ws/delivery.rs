@@ -1,0 +1,183 @@
+//! Pushes and acknowledgements on one connection (PROTOCOL.md 5.2): each push is kept until
+//! it is acknowledged and resent `push-retry-ms` after its last send; acks move the
+//! device's positions, which are saved to the store every second, before the connection's
+//! own reads, and as it ends.
+
+use super::Connection;
+use crate::error::ApiError;
+use crate::hub::{Outgoing, PushChain};
+use crate::pipeline::{ReplyTo, Tier};
+use axum::extract::ws::Utf8Bytes;
+use pigeon_core::command::{Command, CursorChain};
+use pigeon_proto::ConversationId;
+use pigeon_proto::frames::AckFrame;
+use std::time::Instant;
+
+/// Pushes kept for resending per connection; past this the oldest are left to pull.
+const MAX_UNACKED: usize = 8192;
+/// Sends of one push before leaving it to the client's pull.
+const MAX_PUSH_TRIES: u8 = 4;
+
+/// A push waiting for its acknowledgement.
+pub(super) struct Pending {
+    frame: Utf8Bytes,
+    sent_at: Instant,
+    tries: u8,
+}
+
+impl Connection {
+    /// The text to write for an outbox entry; pushes are remembered until acknowledged.
+    pub(super) fn frame_to_write(&mut self, out: Outgoing) -> Option<Utf8Bytes> {
+        match out {
+            Outgoing::Frame(f) => Some(f),
+            // Handled where the outbox is read (`feed_queued`): not a frame.
+            Outgoing::SaveCursors(_) => None,
+            Outgoing::Push { chain, frame } => {
+                if self.unacked.len() >= MAX_UNACKED {
+                    self.unacked.pop_first();
+                }
+                self.unacked.insert(
+                    chain,
+                    Pending {
+                        frame: frame.clone(),
+                        sent_at: Instant::now(),
+                        tries: 1,
+                    },
+                );
+                Some(frame)
+            }
+        }
+    }
+
+    /// Pushes unacknowledged for `retry` or longer, to send again (those tried enough are
+    /// dropped: the client finds the hole and pulls), and when the next of the others comes
+    /// due, so that each is sent again `retry` after it was sent, not at a later tick.
+    pub(super) fn due_resends(&mut self) -> (Vec<Utf8Bytes>, Option<Instant>) {
+        let retry = self.push_retry();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let mut next_due: Option<Instant> = None;
+        self.unacked.retain(|_, p| {
+            if now.duration_since(p.sent_at) >= retry {
+                if p.tries >= MAX_PUSH_TRIES {
+                    return false;
+                }
+                p.tries += 1;
+                p.sent_at = now;
+                out.push(p.frame.clone());
+            }
+            let due = p.sent_at + retry;
+            next_due = Some(next_due.map_or(due, |d| d.min(due)));
+            true
+        });
+        if !out.is_empty() {
+            metrics::counter!("pigeon_push_resends_total").increment(out.len() as u64);
+        }
+        (out, next_due)
+    }
+
+    /// A cumulative acknowledgement: forget the pushes it covers, move the cursor forward.
+    pub(super) fn ack(&mut self, a: AckFrame) -> Result<(), ApiError> {
+        let mut any = false;
+        if let Some(us) = a.user_seq {
+            self.unacked
+                .retain(|k, _| !matches!(k, PushChain::Inbox(s) if *s <= us));
+            self.advance("user", us);
+            any = true;
+        }
+        match (a.conversation_id, a.seq) {
+            (Some(conv), Some(seq)) => {
+                self.unacked.retain(
+                    |k, _| !matches!(k, PushChain::Conversation(c, s) if *c == conv && *s <= seq),
+                );
+                self.advance(conv.as_str(), seq);
+                any = true;
+            }
+            (None, None) => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    "ack by conversation needs both conversation_id and seq",
+                ));
+            }
+        }
+        if !any {
+            return Err(ApiError::invalid(
+                "ack needs user_seq, or conversation_id and seq",
+            ));
+        }
+        Ok(())
+    }
+
+    fn advance(&mut self, chain: &str, seq: u64) {
+        // Nothing to move (and no entry, which would stay unsaved in the map).
+        if seq == 0 {
+            return;
+        }
+        let e = self.cursors.entry(chain.to_owned()).or_insert(0);
+        if seq > *e {
+            *e = seq;
+            self.cursors_dirty = true;
+        }
+    }
+
+    /// Writes acknowledged positions to the store; `wait` when a read follows that must see
+    /// them, or the connection ends: then the commands this connection queued before
+    /// (`wait_for_own_sends`) are committed first too.
+    pub(super) async fn flush_cursors(&mut self, wait: bool) {
+        if self.cursors_dirty {
+            self.cursors_dirty = false;
+            self.last_cursor_flush = Instant::now();
+            let mut cmds = Vec::with_capacity(self.cursors.len());
+            for (chain, seq) in std::mem::take(&mut self.cursors) {
+                let chain = if chain == "user" {
+                    CursorChain::Inbox
+                } else {
+                    match ConversationId::parse(&chain) {
+                        Ok(c) => CursorChain::Conversation(c),
+                        Err(_) => continue,
+                    }
+                };
+                cmds.push(Command::AdvanceCursor {
+                    user: self.user,
+                    device: self.device.clone(),
+                    chain,
+                    seq,
+                });
+            }
+            // A group's position costs the store a journaled row and two lookups whatever
+            // id an ack names (`Changes::member_cursors`): each takes one write from the
+            // user's allowance, as a read mark does. Past it they are not saved (the device
+            // gets those messages again when it resumes); the inbox's always is.
+            let groups = cmds.iter().filter(|c| is_group_cursor(c)).count();
+            if groups > 0 && !self.app.limits.take_writes(self.user, groups) {
+                metrics::counter!("pigeon_cursor_saves_dropped_total").increment(groups as u64);
+                cmds.retain(|c| !is_group_cursor(c));
+            }
+            // Committed by the next barrier: a read's, the close's, or the one below.
+            self.sent_on(Tier::Fast);
+            for cmd in cmds {
+                if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
+                    tracing::warn!(error = %e, user = %self.user, "cursor not saved");
+                }
+            }
+        }
+        if wait {
+            // Queued first, waited for after: the pipeline is FIFO, so one barrier covers
+            // these saves and whatever this connection queued before them (a connection
+            // that ends unregisters after this, and a new one of the device then trusts the
+            // store).
+            self.wait_for_own_sends().await;
+        }
+    }
+}
+
+/// Whether `cmd` saves a position in a conversation's chain (not the inbox's).
+fn is_group_cursor(cmd: &Command) -> bool {
+    matches!(
+        cmd,
+        Command::AdvanceCursor {
+            chain: CursorChain::Conversation(_),
+            ..
+        }
+    )
+}
