@@ -456,6 +456,31 @@ async fn retrying_a_send_returns_the_first_ack_and_delivers_nothing_new() {
         "no second push"
     );
     assert_eq!(history_msgs(&alice, "111-222", "").await.len(), 1);
+    // The id is the sender's across conversations: the same id to someone else is the
+    // same retry, and stores nothing there.
+    let _ = s.user(333).await;
+    let elsewhere = alice
+        .post("/v1/messages", &text_to_user("same", 333, "to carol"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (&elsewhere["msg_id"], &elsewhere["duplicate"]),
+        (&first["msg_id"], &json!(true))
+    );
+    assert_eq!(elsewhere["conversation_id"], "111-222");
+    // A refused send keeps nothing: its id can be used again.
+    let refused = alice
+        .post("/v1/messages", &text_to_user("fresh", 999, "nobody"))
+        .await;
+    assert_eq!(code_of(refused), "not_found");
+    let fresh = alice
+        .post("/v1/messages", &text_to_user("fresh", 333, "now"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (&fresh["conversation_id"], &fresh["duplicate"]),
+        (&json!("111-333"), &json!(false))
+    );
 }
 
 #[tokio::test]
