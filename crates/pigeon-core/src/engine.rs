@@ -152,6 +152,20 @@ impl Engine {
                 n.users.insert(u);
             }
         };
+        // A command that appends a message to a conversation: the conversation, and once it
+        // is here, the inbox head of every member when its messages go through their
+        // inboxes (write fan-out). A head not cached is loaded (the next round of `needs`),
+        // never taken for 0: the member's inbox may hold messages since the caches were
+        // dropped (a restart, an eviction), and a `user_seq` given twice makes the tables
+        // refuse a batch whose sender already has its `send_ack`.
+        let write_max = self.cfg.fanout_write_max_members;
+        let want_appending = |n: &mut Needs, c: &ConversationId| match self.conversations.get(c) {
+            Some(conv) if conv.fanout(write_max) == Fanout::Write => {
+                conv.members.keys().for_each(|u| want_user(n, *u));
+            }
+            Some(_) => {}
+            None => want_conv(n, c),
+        };
         for cmd in batch {
             match cmd {
                 Command::Send(s) => {
@@ -168,14 +182,16 @@ impl Engine {
                     match target(s) {
                         Target::Peer(peer) => {
                             if let Ok(c) = ConversationId::single(s.sender, peer) {
-                                want_conv(&mut n, &c);
+                                want_appending(&mut n, &c);
+                                // A chat the store may not hold yet: its users' heads with
+                                // it, in the same round.
                                 if !self.conversations.contains_key(&c) {
                                     want_user(&mut n, s.sender);
                                     want_user(&mut n, peer);
                                 }
                             }
                         }
-                        Target::Group(c) => want_conv(&mut n, c),
+                        Target::Group(c) => want_appending(&mut n, c),
                     }
                 }
                 Command::CreateGroup { owner, members, .. } => {
@@ -187,15 +203,16 @@ impl Engine {
                     users,
                     ..
                 } => {
-                    want_conv(&mut n, conversation);
+                    want_appending(&mut n, conversation);
                     users.iter().for_each(|u| want_user(&mut n, *u));
                 }
+                // Each appends a command message (`member_kicked`, `member_muted`, ...).
                 Command::RemoveMember { conversation, .. }
-                | Command::SetAdmin { conversation, .. }
                 | Command::Mute { conversation, .. }
                 | Command::Unmute { conversation, .. }
                 | Command::UpdateGroup { conversation, .. }
-                | Command::Dismiss { conversation, .. }
+                | Command::Dismiss { conversation, .. } => want_appending(&mut n, conversation),
+                Command::SetAdmin { conversation, .. }
                 | Command::Read { conversation, .. }
                 | Command::Settings { conversation, .. } => want_conv(&mut n, conversation),
                 Command::Recall { msg_id, .. }
@@ -204,7 +221,12 @@ impl Engine {
                 | Command::HideMessage { msg_id, .. } => match self.messages.get(msg_id) {
                     Some(Some(m)) => {
                         if let Ok(c) = ConversationId::parse(&m.conversation_id) {
-                            want_conv(&mut n, &c);
+                            // A recall or an edit appends its command message.
+                            if matches!(cmd, Command::Recall { .. } | Command::Edit { .. }) {
+                                want_appending(&mut n, &c);
+                            } else {
+                                want_conv(&mut n, &c);
+                            }
                         }
                     }
                     Some(None) => {}
@@ -1205,7 +1227,14 @@ impl Engine {
         for (user, member) in &conv.members {
             let user_seq = match fanout {
                 Fanout::Write => {
-                    let head = self.inbox_heads.entry(*user).or_insert(0);
+                    // Loaded by `needs` (`want_appending`). Guessing here would give a
+                    // `user_seq` twice, which the tables refuse after the sender had its
+                    // `send_ack`: stopping the decisions (no ack for this batch) is the
+                    // lesser harm.
+                    let head = self
+                        .inbox_heads
+                        .get_mut(user)
+                        .expect("every member's inbox head is loaded before an append");
                     *head += 1;
                     ch.inbox.push(InboxRow {
                         user: *user,

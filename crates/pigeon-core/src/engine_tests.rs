@@ -481,3 +481,113 @@ fn inbox_heads_are_kept_only_for_users_that_exist() {
     assert!(made_up.iter().all(|u| !e.inbox_heads.contains_key(u)));
     assert!(e.inbox_heads.contains_key(&uid(1)));
 }
+
+/// Gives `e` what [`Engine::needs`] asks for from `store` (what the tables hold: the
+/// conversations and every user's inbox head), until it asks for nothing.
+fn load_from(
+    e: &mut Engine,
+    cmds: &[Command],
+    convs: &HashMap<ConversationId, ConversationState>,
+    heads: &HashMap<UserId, u64>,
+) {
+    for _ in 0..5 {
+        let n = e.needs(cmds);
+        if n.is_empty() {
+            return;
+        }
+        let loaded = Loaded {
+            conversations: n
+                .conversations
+                .iter()
+                .map(|c| (c.clone(), convs.get(c).cloned()))
+                .collect(),
+            users: n.users.clone(),
+            inbox_heads: n
+                .users
+                .iter()
+                .map(|u| (*u, heads.get(u).copied().unwrap_or(0)))
+                .collect(),
+            ..Loaded::default()
+        };
+        e.absorb(loaded, &n);
+    }
+    panic!("still needs {:?}", e.needs(cmds));
+}
+
+/// After the caches are dropped (a restart, an eviction), a command that appends to a write
+/// fan-out conversation needs the inbox head of every member, not only the conversation: a
+/// head taken for 0 gave the message a `user_seq` the member's inbox already held, the
+/// tables refused the journaled batch, and a message the sender had its `send_ack` for was
+/// lost (found by a black-box check: a group send as the first write after a restart). A
+/// single chat loaded by a read, then sent to, is the same case.
+#[test]
+fn appending_after_the_caches_were_dropped_continues_every_members_inbox() {
+    let mut e = engine(4, 10);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let gid = group(&mut e, 1, &[2, 3], &mut ch, &mut ev);
+    ack(send(
+        &mut e,
+        1,
+        SendTo::User(uid(4)),
+        "s1",
+        &mut ch,
+        &mut ev,
+    ));
+    let single = ConversationId::single(uid(1), uid(4)).unwrap();
+    // Batches, each decided on cold caches but the third: the second loads the single chat
+    // for a read (no inbox heads needed), and the third sends to it.
+    let batches: Vec<Vec<Command>> = vec![
+        vec![send_cmd(2, SendTo::Conversation(gid.clone()), "g-send")],
+        vec![Command::Read {
+            user: uid(1),
+            conversation: single.clone(),
+            seq: 1,
+            from_device: None,
+        }],
+        vec![send_cmd(1, SendTo::User(uid(4)), "s-send")],
+        vec![Command::Mute {
+            actor: uid(1),
+            conversation: gid.clone(),
+            user: uid(3),
+            duration_secs: 60,
+        }],
+        vec![Command::RemoveMember {
+            actor: uid(1),
+            conversation: gid.clone(),
+            user: uid(3),
+        }],
+        vec![Command::Dismiss {
+            actor: uid(1),
+            conversation: gid.clone(),
+        }],
+    ];
+    // What the store holds once everything so far is applied.
+    let mut convs: HashMap<ConversationId, ConversationState> = HashMap::new();
+    let mut heads: HashMap<UserId, u64> = HashMap::new();
+    for (i, batch) in batches.into_iter().enumerate() {
+        convs.extend(
+            e.conversations
+                .iter()
+                .map(|(id, c)| (id.clone(), c.clone())),
+        );
+        heads.extend(e.inbox_heads.iter().map(|(u, h)| (*u, *h)));
+        if i != 2 {
+            e.evict_caches();
+        }
+        // The batch's needs, as the pipeline asks them: before its first command.
+        load_from(&mut e, &batch, &convs, &heads);
+        for cmd in batch {
+            let mut step = Changes::default();
+            e.apply(cmd.clone(), T0, &mut step, &mut ev)
+                .unwrap_or_else(|err| panic!("{cmd:?}: {err:?}"));
+            for row in &step.inbox {
+                assert_eq!(
+                    row.user_seq,
+                    heads.get(&row.user).copied().unwrap_or(0) + 1,
+                    "{cmd:?}: user {} continues their inbox",
+                    row.user
+                );
+            }
+        }
+    }
+}
