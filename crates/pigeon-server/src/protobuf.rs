@@ -78,8 +78,12 @@ impl Schema {
     /// such a field out, so `"seq":0` is what it sent, not a missing field. On an error,
     /// the frame's `req` when it could be read.
     pub fn client_frame_to_json(&self, bytes: &[u8]) -> Result<String, (Option<i64>, String)> {
-        let envelope = DynamicMessage::decode(self.client.clone(), bytes)
-            .map_err(|e| (None, format!("not a pigeon.v1.ClientFrame: {e}")))?;
+        let envelope = DynamicMessage::decode(self.client.clone(), bytes).map_err(|e| {
+            (
+                req_of_client_frame(bytes),
+                format!("not a pigeon.v1.ClientFrame: {e}"),
+            )
+        })?;
         let req = envelope.get_field_by_name("req").and_then(|r| {
             envelope
                 .has_field_by_name("req")
@@ -236,9 +240,52 @@ fn envelope_to_json(envelope: &DynamicMessage, skip_defaults: bool) -> Result<Va
     Ok(Value::Object(out))
 }
 
+/// The `req` of a protobuf `ClientFrame` (field 1), read without decoding the frame: its
+/// other top-level fields are skipped, each in constant time, not built. So a frame refused
+/// unread (over the size limit) or undecodable still has its error carry its `req`
+/// (PROTOCOL.md 5: "the reply to it carries the same `req`"). What comes after a malformed
+/// field is not read.
+pub fn req_of_client_frame(mut bytes: &[u8]) -> Option<i64> {
+    use prost::encoding::{DecodeContext, WireType, decode_key, decode_varint, skip_field};
+    let mut req = None;
+    while !bytes.is_empty() {
+        let Ok((tag, wire)) = decode_key(&mut bytes) else {
+            break;
+        };
+        let read = if tag == 1 && wire == WireType::Varint {
+            // An int64 travels as its two's complement in a varint.
+            decode_varint(&mut bytes).map(|v| req = Some(v as i64))
+        } else {
+            skip_field(wire, tag, &mut bytes, DecodeContext::default())
+        };
+        if read.is_err() {
+            break;
+        }
+    }
+    req
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_req_of_a_frame_is_read_without_decoding_it() {
+        // req 7 alone; after a length-delimited field (the frame) it is still found; a
+        // negative req (ten varint bytes); none; a field cut short before any req.
+        let negative_3 = [
+            0x08, 0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01,
+        ];
+        for (bytes, req) in [
+            (&[0x08, 0x07][..], Some(7)),
+            (&[0x12, 0x02, 0xaa, 0xbb, 0x08, 0x05][..], Some(5)),
+            (&negative_3[..], Some(-3)),
+            (&[0x12, 0x00][..], None),
+            (&[0x12, 0x10, 0x01, 0x08, 0x05][..], None),
+        ] {
+            assert_eq!(req_of_client_frame(bytes), req, "{bytes:x?}");
+        }
+    }
     use pigeon_proto::frames::{RoomMessage, ServerFrame, SyncConversation, msg_frame};
     use pigeon_proto::views::{ChainItem, SendAck};
     use pigeon_proto::{ConversationId, DeviceId, ErrorCode, Message, MsgId, UserId};

@@ -536,12 +536,12 @@ async fn run(
                 let replies = match msg {
                     WsMessage::Text(t) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec), t.as_str())).await,
                     WsMessage::Binary(b) => match codec {
-                        // Not decoded: a small protobuf frame can stand for a large tree. A
-                        // frame over the limit is too large whatever the subprotocol.
+                        // Not decoded: a small protobuf frame can stand for a large tree (its
+                        // `req` is read by skipping the rest). A frame over the limit is too
+                        // large whatever the subprotocol.
                         _ if b.len() > MAX_FRAME_BYTES => Ok(conn.too_large(match codec {
                             Codec::Json => req_in(&b),
-                            // Not decoded (see above).
-                            Codec::Proto(_) => None,
+                            Codec::Proto(_) => protobuf::req_of_client_frame(&b),
                         })),
                         Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
                             Ok(text) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec), &text)).await,

@@ -274,6 +274,14 @@ async fn bad_protobuf_frames_get_an_error_and_the_connection_stays() {
     assert_eq!(kind, "error");
     assert_eq!(str_of(&member(&e, "error"), "code"), "invalid_argument");
 
+    // Its req first (field 1, varint 7), then bytes that do not decode: the error carries
+    // the req all the same.
+    p.send(vec![0x08, 0x07, 0xff, 0xff, 0xff]).await;
+    let (kind, e) = p.recv().await;
+    assert_eq!(kind, "error");
+    assert_eq!(e.get_field_by_name("req").unwrap().as_i64(), Some(7));
+    assert_eq!(str_of(&member(&e, "error"), "code"), "invalid_argument");
+
     // An envelope with no frame in its oneof.
     let mut empty = DynamicMessage::new(p.client.clone());
     empty.set_field_by_name("req", PValue::I64(4));
@@ -299,6 +307,17 @@ async fn bad_protobuf_frames_get_an_error_and_the_connection_stays() {
     // A binary frame over 1 MiB is refused before it is decoded.
     p.send(vec![0x0a; (1 << 20) + 1]).await;
     let e = p.recv_kind("error").await;
+    assert_eq!(str_of(&member(&e, "error"), "code"), "payload_too_large");
+    // Its req is read all the same (PROTOCOL.md 5: "the reply to it carries the same req"):
+    // a send of 1.1 MiB of content with req 42.
+    let mut big = p.body("send");
+    big.set_field_by_name("to", PValue::Message(to_user(&big, 512)));
+    big.set_field_by_name("client_msg_id", PValue::String("big".into()));
+    big.set_field_by_name("kind", PValue::String("text".into()));
+    big.set_field_by_name("content", PValue::String("x".repeat(1_100_000)));
+    p.send(p.frame(Some(42), "send", big)).await;
+    let e = p.recv_kind("error").await;
+    assert_eq!(e.get_field_by_name("req").unwrap().as_i64(), Some(42));
     assert_eq!(str_of(&member(&e, "error"), "code"), "payload_too_large");
 
     // A JSON text frame on a protobuf connection is read, and answered in protobuf.
