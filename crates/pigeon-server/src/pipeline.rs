@@ -1509,6 +1509,83 @@ mod tests {
         store.close().await;
     }
 
+    /// The caches hold two conversations, so they are dropped between nearly every batch; a
+    /// group send then comes to a group loaded again, whose members' inbox heads must come
+    /// with it. Every inbox stays contiguous and every acknowledged message is stored. (The
+    /// same after a restart, when the engine knows no user yet, is pinned end to end by
+    /// `concurrency::the_first_writes_after_a_restart_continue_every_inbox`.)
+    #[tokio::test]
+    async fn inboxes_stay_contiguous_when_group_sends_follow_evictions() {
+        let (store, pipeline, _dir) = pipeline_over_store("evict-group", 2).await;
+        let Reply::Conversation(group) = pipeline
+            .call(Command::CreateGroup {
+                owner: user(1),
+                name: "g".into(),
+                members: vec![user(2), user(3)],
+            })
+            .await
+            .unwrap()
+        else {
+            panic!("not a conversation");
+        };
+        let mut acks = Vec::new();
+        for round in 0..4u64 {
+            let cmd = text_send(
+                user(round % 3 + 1),
+                SendTo::Conversation(group.clone()),
+                &format!("g{round}"),
+            );
+            let Reply::SendAck(ack) = pipeline.call(cmd).await.unwrap() else {
+                panic!("not an ack");
+            };
+            acks.push(ack);
+            acks.push(send(&pipeline, 1, 4, &format!("a{round}")).await);
+            acks.push(send(&pipeline, 5, 6, &format!("b{round}")).await);
+        }
+        pipeline.flush().await.unwrap();
+        for ack in &acks {
+            let conv = ack.conversation_id.clone();
+            let query = pigeon_core::store::HistoryQuery {
+                anchor: pigeon_core::store::HistoryAnchor::Newest,
+                limit: 20,
+                from_time: None,
+                to_time: None,
+            };
+            // A member of each: the group's owner, 1 in 1-4, 6 in 5-6.
+            let reader = if conv == group || conv.to_string() == "1-4" {
+                user(1)
+            } else {
+                user(6)
+            };
+            let (msgs, _) = store
+                .history(&conv, reader, (1, u64::MAX >> 1), query)
+                .await
+                .unwrap();
+            let stored = msgs.iter().find(|m| m.seq == ack.seq);
+            assert_eq!(stored.map(|m| m.msg_id), Some(ack.msg_id), "{ack:?}");
+        }
+        for u in 1..=6 {
+            let (items, _) = store
+                .pull_inbox(user(u), 1, u64::MAX >> 1, 200)
+                .await
+                .unwrap();
+            let seqs: Vec<u64> = items.iter().map(|i| i.seq).collect();
+            assert_eq!(
+                seqs,
+                (1..=seqs.len() as u64).collect::<Vec<_>>(),
+                "user {u}"
+            );
+            let expected = match u {
+                // created, and 4 group sends; with user 4: 4 more.
+                1 => 9,
+                2 | 3 => 5,
+                _ => 4,
+            };
+            assert_eq!(seqs.len(), expected, "user {u}");
+        }
+        store.close().await;
+    }
+
     /// A send again at once: its batch is journaled (so the engine has let go of its ack)
     /// but not in the tables yet (the applier waits 250 ms); the idempotency look-up must
     /// wait for the tables, or the retry becomes a second message.
