@@ -255,6 +255,9 @@ impl Engine {
             match state {
                 Some(s) => {
                     self.absent.remove(&id);
+                    // Its members are registered users, and the store gave their inbox
+                    // heads with it (taken below): an append to it needs no other round.
+                    self.known_users.extend(s.members.keys().copied());
                     self.conversations.insert(id, s);
                 }
                 None => {
