@@ -718,6 +718,8 @@ pub fn apply_or_set_aside(
                     .map_err(std::io::Error::other)
                     .and_then(|bytes| std::fs::write(&path, bytes));
                 tracing::error!(lsn, error = %e, file = %path.display(), kept = ?kept, "the tables refused a journaled batch; it is set aside");
+                // For an alert: its senders had their acks, so this is data lost.
+                metrics::counter!("pigeon_batches_set_aside_total").increment(1);
                 apply(conn, std::iter::empty(), *lsn)?;
             }
             Err(e) => return Err(e),
