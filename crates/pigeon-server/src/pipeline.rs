@@ -14,7 +14,7 @@ use pigeon_core::store::Store;
 use pigeon_proto::frames::ServerFrame;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
@@ -149,6 +149,9 @@ pub struct PipelineStats {
     /// `/readyz` answers 503 while commits fail (a full disk, tables that cannot take the
     /// journal's backlog), for up to [`COMMIT_FAILURE_UNREADY_MS`] after the last failure.
     last_commit_failure_ms: AtomicU64,
+    /// The decider stopped on a panic (a broken invariant, e.g. `Engine::append`'s): every
+    /// write then answers `unavailable`, and `/readyz` says why until a restart.
+    decider_stopped: AtomicBool,
 }
 
 /// Milliseconds on a clock that never goes back (from the first call, plus one: never 0).
@@ -182,6 +185,11 @@ impl BatchCounts {
 }
 
 impl PipelineStats {
+    /// Whether the decider stopped on a panic (see [`stop_flagged`]).
+    pub fn decider_stopped(&self) -> bool {
+        self.decider_stopped.load(Ordering::Relaxed)
+    }
+
     /// Whether a commit failed within [`COMMIT_FAILURE_UNREADY_MS`] with none succeeding since.
     pub fn commits_failing(&self) -> bool {
         let failed = self.last_commit_failure_ms.load(Ordering::Relaxed);
@@ -252,13 +260,9 @@ impl Pipeline {
         };
         let (decided_tx, decided_rx) = mpsc::channel(1);
         let (outcome_tx, outcome_rx) = mpsc::unbounded_channel();
-        tokio::spawn(decide(
-            store.clone(),
-            engine,
-            queues,
-            decided_tx,
-            outcome_rx,
-            gate,
+        tokio::spawn(stop_flagged(
+            decide(store.clone(), engine, queues, decided_tx, outcome_rx, gate),
+            stats.clone(),
         ));
         let handle = tokio::spawn(commit(
             store,
@@ -745,6 +749,24 @@ async fn decide(
 /// How long bulk work waited before a batch took it (the commit in flight, the gate, single
 /// chats' sends): operators see what a flood is made to wait. Work taken as it arrived
 /// waited for nothing and is not counted.
+/// Runs the decider and, should it panic (a broken invariant: it stops rather than decide a
+/// batch the tables would refuse after its senders had their acks), marks the pipeline
+/// stopped and says so loudly, so that `/readyz` tells the operator to restart (the journal
+/// holds every acknowledged batch) instead of every write failing quietly.
+async fn stop_flagged(decider: impl Future<Output = ()>, stats: Arc<PipelineStats>) {
+    use futures_util::FutureExt;
+    if std::panic::AssertUnwindSafe(decider)
+        .catch_unwind()
+        .await
+        .is_err()
+    {
+        stats.decider_stopped.store(true, Ordering::Relaxed);
+        tracing::error!(
+            "the decider stopped on a panic: every write answers unavailable until a restart"
+        );
+    }
+}
+
 fn record_bulk_wait(since: Instant) {
     metrics::histogram!("pigeon_bulk_wait_seconds").record(since.elapsed().as_secs_f64());
 }
@@ -1291,6 +1313,18 @@ mod tests {
         assert!(again.duplicate, "{again:?}");
         assert_eq!((again.msg_id, again.seq), (first.msg_id, first.seq));
         drop(dir);
+    }
+
+    #[tokio::test]
+    async fn a_decider_that_panics_marks_the_pipeline_stopped() {
+        let stats = Arc::new(PipelineStats::default());
+        stop_flagged(async {}, stats.clone()).await;
+        assert!(
+            !stats.decider_stopped(),
+            "an ending decider is not a stopped one"
+        );
+        stop_flagged(async { panic!("a broken invariant") }, stats.clone()).await;
+        assert!(stats.decider_stopped());
     }
 
     /// A test's data directory, removed when the test ends, passed or not.

@@ -29,6 +29,12 @@ pub async fn readyz(State(app): State<AppRef>) -> impl IntoResponse {
             axum::Json(serde_json::json!({"status": "draining"})),
         );
     }
+    if app.pipeline.stats().decider_stopped() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({"status": "pipeline stopped"})),
+        );
+    }
     if app.pipeline.stats().commits_failing() {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
