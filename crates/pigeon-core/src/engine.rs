@@ -50,6 +50,11 @@ pub struct Engine {
     conversations: HashMap<ConversationId, ConversationState>,
     /// Conversations known not to exist (until created).
     absent: HashSet<ConversationId>,
+    /// The newest `user_seq` of each user's inbox. Every member of a cached conversation has
+    /// one: the store gives them with the conversation (`absorb`), a user added to one is
+    /// loaded first (`needs`: invitations, creations, a new single chat's two users), a user
+    /// registered in the batch starts at 0 (`apply`), and heads are dropped only with the
+    /// conversations (`evict_caches`, `reset`). So `append` never has to guess one.
     inbox_heads: HashMap<UserId, u64>,
     known_users: HashSet<UserId>,
     /// The batch being decided. Batches are numbered from 1; [`Engine::seal`] closes one and
@@ -152,20 +157,6 @@ impl Engine {
                 n.users.insert(u);
             }
         };
-        // A command that appends a message to a conversation: the conversation, and once it
-        // is here, the inbox head of every member when its messages go through their
-        // inboxes (write fan-out). A head not cached is loaded (the next round of `needs`),
-        // never taken for 0: the member's inbox may hold messages since the caches were
-        // dropped (a restart, an eviction), and a `user_seq` given twice makes the tables
-        // refuse a batch whose sender already has its `send_ack`.
-        let write_max = self.cfg.fanout_write_max_members;
-        let want_appending = |n: &mut Needs, c: &ConversationId| match self.conversations.get(c) {
-            Some(conv) if conv.fanout(write_max) == Fanout::Write => {
-                conv.members.keys().for_each(|u| want_user(n, *u));
-            }
-            Some(_) => {}
-            None => want_conv(n, c),
-        };
         for cmd in batch {
             match cmd {
                 Command::Send(s) => {
@@ -182,7 +173,7 @@ impl Engine {
                     match target(s) {
                         Target::Peer(peer) => {
                             if let Ok(c) = ConversationId::single(s.sender, peer) {
-                                want_appending(&mut n, &c);
+                                want_conv(&mut n, &c);
                                 // A chat the store may not hold yet: its users' heads with
                                 // it, in the same round.
                                 if !self.conversations.contains_key(&c) {
@@ -191,7 +182,7 @@ impl Engine {
                                 }
                             }
                         }
-                        Target::Group(c) => want_appending(&mut n, c),
+                        Target::Group(c) => want_conv(&mut n, c),
                     }
                 }
                 Command::CreateGroup { owner, members, .. } => {
@@ -203,16 +194,15 @@ impl Engine {
                     users,
                     ..
                 } => {
-                    want_appending(&mut n, conversation);
+                    want_conv(&mut n, conversation);
                     users.iter().for_each(|u| want_user(&mut n, *u));
                 }
-                // Each appends a command message (`member_kicked`, `member_muted`, ...).
                 Command::RemoveMember { conversation, .. }
+                | Command::SetAdmin { conversation, .. }
                 | Command::Mute { conversation, .. }
                 | Command::Unmute { conversation, .. }
                 | Command::UpdateGroup { conversation, .. }
-                | Command::Dismiss { conversation, .. } => want_appending(&mut n, conversation),
-                Command::SetAdmin { conversation, .. }
+                | Command::Dismiss { conversation, .. }
                 | Command::Read { conversation, .. }
                 | Command::Settings { conversation, .. } => want_conv(&mut n, conversation),
                 Command::Recall { msg_id, .. }
@@ -221,12 +211,7 @@ impl Engine {
                 | Command::HideMessage { msg_id, .. } => match self.messages.get(msg_id) {
                     Some(Some(m)) => {
                         if let Ok(c) = ConversationId::parse(&m.conversation_id) {
-                            // A recall or an edit appends its command message.
-                            if matches!(cmd, Command::Recall { .. } | Command::Edit { .. }) {
-                                want_appending(&mut n, &c);
-                            } else {
-                                want_conv(&mut n, &c);
-                            }
+                            want_conv(&mut n, &c);
                         }
                     }
                     Some(None) => {}
@@ -243,7 +228,10 @@ impl Engine {
                     ..
                 } => want_user(&mut n, *user),
                 Command::AdvanceCursor { .. } => {}
-                Command::UpsertUser { .. } | Command::Logout { .. } | Command::Flush => {}
+                // Whether the user is registered already: a new one starts an empty inbox
+                // (see `apply`), a known one keeps the head the store gives.
+                Command::UpsertUser { user, .. } => want_user(&mut n, *user),
+                Command::Logout { .. } | Command::Flush => {}
             }
         }
         n
@@ -351,7 +339,11 @@ impl Engine {
     ) -> Outcome {
         match cmd {
             Command::UpsertUser { user, name, avatar } => {
-                self.known_users.insert(user);
+                // `needs` asked the store: a user it did not know is new, with no inbox yet,
+                // and may be written to later in this very batch.
+                if self.known_users.insert(user) {
+                    self.inbox_heads.entry(user).or_insert(0);
+                }
                 ch.users.push((user, name, avatar, now));
                 Ok(Reply::Done)
             }
@@ -1230,7 +1222,7 @@ impl Engine {
         for (user, member) in &conv.members {
             let user_seq = match fanout {
                 Fanout::Write => {
-                    // Loaded by `needs` (`want_appending`). Guessing here would give a
+                    // Cached with the conversation (see `absorb`). Guessing here would give a
                     // `user_seq` twice, which the tables refuse after the sender had its
                     // `send_ack`: stopping the decisions (no ack for this batch) is the
                     // lesser harm.
