@@ -19,7 +19,7 @@ pub const ENDPOINTS: &[(&str, &str, Caller, &str)] = &[
         "get",
         "/healthz",
         Caller::Public,
-        "200 when the process is up",
+        "200 when the process is up, 503 once its pipeline stopped (restart it)",
     ),
     (
         "get",
@@ -470,8 +470,8 @@ pub fn document() -> Value {
             ok.into(),
             json!({"description": "success", "content": content}),
         );
-        if *path == "/readyz" {
-            responses.insert("503".into(), json!({"description": "not ready", "content": {"application/json": {"schema": {"type": "object"}}}}));
+        if *path == "/readyz" || *path == "/healthz" {
+            responses.insert("503".into(), json!({"description": "not ready (readyz), or the pipeline stopped (both)", "content": {"application/json": {"schema": {"type": "object"}}}}));
         }
         if *caller != Caller::Public {
             for (status, codes) in ERROR_STATUSES {

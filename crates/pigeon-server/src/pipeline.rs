@@ -746,13 +746,12 @@ async fn decide(
     }
 }
 
-/// How long bulk work waited before a batch took it (the commit in flight, the gate, single
-/// chats' sends): operators see what a flood is made to wait. Work taken as it arrived
-/// waited for nothing and is not counted.
 /// Runs the decider and, should it panic (a broken invariant: it stops rather than decide a
 /// batch the tables would refuse after its senders had their acks), marks the pipeline
-/// stopped and says so loudly, so that `/readyz` tells the operator to restart (the journal
-/// holds every acknowledged batch) instead of every write failing quietly.
+/// stopped and says so loudly, so that `/healthz` and `/readyz` fail and a supervisor
+/// restarts the process (the journal holds every acknowledged batch) instead of every
+/// write failing quietly. (Requests in the chunk being decided are dropped unanswered: a
+/// caller over HTTP gets `unavailable`, a WebSocket one no reply.)
 async fn stop_flagged(decider: impl Future<Output = ()>, stats: Arc<PipelineStats>) {
     use futures_util::FutureExt;
     if std::panic::AssertUnwindSafe(decider)
@@ -767,6 +766,9 @@ async fn stop_flagged(decider: impl Future<Output = ()>, stats: Arc<PipelineStat
     }
 }
 
+/// How long bulk work waited before a batch took it (the commit in flight, the gate, single
+/// chats' sends): operators see what a flood is made to wait. Work taken as it arrived
+/// waited for nothing and is not counted.
 fn record_bulk_wait(since: Instant) {
     metrics::histogram!("pigeon_bulk_wait_seconds").record(since.elapsed().as_secs_f64());
 }

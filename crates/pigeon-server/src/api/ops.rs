@@ -18,8 +18,19 @@ pub async fn chat_page() -> impl IntoResponse {
     )
 }
 
-pub async fn healthz() -> impl IntoResponse {
-    axum::Json(serde_json::json!({"status": "ok"}))
+/// Liveness: the process serves, unless its decider stopped on a broken invariant, which
+/// only a restart mends (so a supervisor that probes liveness restarts it).
+pub async fn healthz(State(app): State<AppRef>) -> impl IntoResponse {
+    if app.pipeline.stats().decider_stopped() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({"status": "pipeline stopped"})),
+        );
+    }
+    (
+        StatusCode::OK,
+        axum::Json(serde_json::json!({"status": "ok"})),
+    )
 }
 
 pub async fn readyz(State(app): State<AppRef>) -> impl IntoResponse {
