@@ -75,6 +75,10 @@ async fn secret(
 /// Opens everything and starts serving on `cfg.listen`.
 pub async fn start(cfg: Config) -> Result<Running, StartError> {
     crate::protobuf::Schema::get().map_err(StartError::Schema)?;
+    // Before the store opens: what its recovery counts (a journaled batch the tables refuse,
+    // which is data lost) must reach `/metrics`, shown from 0 so an alert sees it rise.
+    let metrics = metrics_handle();
+    metrics::counter!("pigeon_batches_set_aside_total").increment(0);
     let durability = match cfg.durability {
         DurabilityMode::Fsync => Durability::Fsync,
         DurabilityMode::Os => Durability::Os,
@@ -133,7 +137,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         signer: TokenSigner::new(token_secret.into_bytes()),
         token_gens: Default::default(),
         admin_key,
-        metrics: metrics_handle(),
+        metrics,
         draining: AtomicBool::new(false),
         shutdown,
         rooms: Arc::new(crate::rooms::Rooms::default()),

@@ -48,6 +48,7 @@ async fn health_ready_metrics_and_openapi_answer() {
         "pigeon_tcp_connections",
         "pigeon_connections_refused_total",
         "pigeon_connections ",
+        "pigeon_batches_set_aside_total",
     ] {
         assert!(text.contains(name), "{name} missing from: {text}");
     }
