@@ -659,6 +659,7 @@ async fn a_group_acknowledged_after_a_restart_is_remembered() {
             .unwrap();
     }
     let s = s.restart().await;
+    let owner = s.user(1).await;
     let t2 = s.token(2).await;
     let listed = |r: &Value| -> Option<(u64, u64)> {
         r["conversations"]

@@ -133,11 +133,12 @@ impl TestServer {
         Http::new(self.base.clone())
     }
 
-    /// Stops the server gracefully and starts it again on the same data directory.
+    /// Stops the server gracefully and starts it again on the same data directory, on a new
+    /// port (the old one, once free, may go to another test's server meanwhile): clients
+    /// made before the restart must be made again.
     pub async fn restart(mut self) -> TestServer {
-        let mut cfg = self.cfg.clone();
+        let cfg = self.cfg.clone();
         if let Some(r) = self.running.take() {
-            cfg.listen = r.addr;
             r.shutdown().await;
         }
         start_on(cfg, self.dir.clone()).await
