@@ -197,9 +197,10 @@ struct HeldReceipt {
     except_device: Option<DeviceId>,
 }
 
-/// How often held-back receipts go out: a reader's receipts in a conversation reach the
-/// others at most about twice per this (PROTOCOL.md 5.4: "at most a few per second per
-/// conversation"), the first at once.
+/// How often held-back receipts go out: each reader's receipts in a conversation reach the
+/// others at most about twice per this, the first at once (PROTOCOL.md 5.4 allows "at most
+/// a few per second per conversation"; a frame names one reader, so the pace is per reader,
+/// and a group where many read at once gets a few per second of each).
 pub const RECEIPT_FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl Default for Hub {
