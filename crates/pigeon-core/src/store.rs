@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 pub struct StoreError(pub String);
 
 /// What the engine is missing to decide a batch.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct Needs {
     pub conversations: HashSet<ConversationId>,
     /// Users whose existence and inbox head are needed.

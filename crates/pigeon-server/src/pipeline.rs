@@ -10,7 +10,7 @@ use pigeon_core::changes::{Changes, Event};
 use pigeon_core::command::{Command, Reply};
 use pigeon_core::engine::Engine;
 use pigeon_core::error::DomainError;
-use pigeon_core::store::Store;
+use pigeon_core::store::{Needs, Store};
 use pigeon_proto::frames::ServerFrame;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -953,10 +953,14 @@ async fn load(
     stale: &mut bool,
     cmds: &[Command],
 ) -> Result<(), pigeon_core::StoreError> {
-    // A recall needs its message before its conversation: at most a few rounds.
+    // A recall needs its message before its conversation: at most a few rounds. A round
+    // that asks what the last one did would learn nothing more: what is left names users
+    // who are not registered (a registration in this chunk, an invitation of a made-up
+    // id), whose commands the engine decides without them.
+    let mut asked: Option<Needs> = None;
     for _ in 0..4 {
         let needs = engine.needs(cmds);
-        if needs.is_empty() {
+        if needs.is_empty() || asked.as_ref() == Some(&needs) {
             return Ok(());
         }
         if *stale || !needs.messages.is_empty() {
@@ -967,6 +971,7 @@ async fn load(
         let loaded = store.load(needs.clone()).await?;
         metrics::histogram!("pigeon_store_load_seconds").record(started.elapsed().as_secs_f64());
         engine.absorb(loaded, &needs);
+        asked = Some(needs);
     }
     Ok(())
 }
