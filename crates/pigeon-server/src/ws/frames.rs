@@ -111,8 +111,14 @@ impl Connection {
             Some(Ok(f)) => f,
             Some(Err(e)) => return self.bad_frame(req, &format!("bad frame: {e}")).into(),
         };
+        // A `sync` or `pull` reads what this connection's commands and acks changed, and
+        // a `pong` says everything sent before its `ping` is durable, acks included (so a
+        // client that pings after acking knows a crash will not move its cursor back).
         if !barrier_done
-            && matches!(frame, ClientFrame::Sync(_) | ClientFrame::Pull(_))
+            && matches!(
+                frame,
+                ClientFrame::Sync(_) | ClientFrame::Pull(_) | ClientFrame::Ping
+            )
             && (self.cursors_dirty || self.sent_since_barrier.any())
         {
             // Queued behind this connection's commands: one barrier covers both.

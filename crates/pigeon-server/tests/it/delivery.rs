@@ -1254,3 +1254,30 @@ async fn a_shutdown_answers_waiting_long_polls_and_refuses_new_connections() {
     );
     assert!(tokio::net::TcpStream::connect(&addr).await.is_err());
 }
+
+/// PROTOCOL.md 5.2: an acknowledgement "moves this device's sync cursor forward (never
+/// back)". Acks are saved every second, so a crash can lose the last second of them; a
+/// `pong` is answered only once everything sent before its `ping` is durable, acks
+/// included, so a client that pings after acking knows its position survives a crash
+/// (a black-box check acked, pinged, and killed the server: the cursor went back to 0).
+#[tokio::test]
+async fn a_pong_comes_once_the_acks_before_its_ping_are_saved() {
+    let s = spawn_server().await;
+    let alice = s.user(1).await;
+    let tb = s.token(2).await;
+    post_texts(&alice, "p", 2, 5, "x").await;
+    let mut ws = s.ws(&tb, "phone").await;
+    ws.send(&json!({"type": "ack", "user_seq": 4}))
+        .await
+        .unwrap();
+    let pong = request(&mut ws, json!({"type": "ping"}), 1).await;
+    assert_eq!(pong["type"], "pong");
+    // Read from the store while the connection is open (its timer would save it within
+    // a second, its close at once).
+    let store = &s.running.as_ref().unwrap().app.store;
+    let saved = store
+        .cursor(pigeon_proto::UserId::new(2).unwrap(), "phone", "user")
+        .await
+        .unwrap();
+    assert_eq!(saved, 4);
+}
