@@ -7,7 +7,7 @@ use crate::webhook::{Notice, OfflineHook};
 use axum::extract::ws::Utf8Bytes;
 use pigeon_core::changes::Event;
 use pigeon_proto::frames::{ServerFrame, msg_frame};
-use pigeon_proto::{ConversationId, DeviceId, UserId};
+use pigeon_proto::{ConversationId, DeviceId, MessageKind, MsgId, UserId};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -29,6 +29,10 @@ pub enum Outgoing {
     /// This one may be half-open (a socket gone without a word), its acks the device's
     /// latest.
     SaveCursors(tokio::sync::oneshot::Sender<()>),
+    /// The message was recalled or edited: stop resending an earlier push of it, which
+    /// would show again what its sender took back (the client that lacks it finds the
+    /// hole and pulls it as it is now).
+    Forget(MsgId),
 }
 
 /// The chain position a push is acknowledged by.
@@ -409,6 +413,11 @@ impl Hub {
                 } => {
                     let json = serde_json::to_string(&*message).expect("messages serialise");
                     let conv = ConversationId::parse(&message.conversation_id).ok();
+                    // A recall or an edit: the message it changes, whose pushes not yet
+                    // acknowledged are not to be sent again.
+                    let changed = matches!(message.kind, MessageKind::Recall | MessageKind::Edit)
+                        .then(|| MsgId::parse(message.extra.get("msg_id")?.as_str()?).ok())
+                        .flatten();
                     // Read fan-out recipients all get the same bytes; built at the first one
                     // online, and each frame only for a recipient with a connected device.
                     let mut shared: Option<Utf8Bytes> = None;
@@ -433,6 +442,9 @@ impl Hub {
                                     .get_or_insert_with(|| Utf8Bytes::from(msg_frame(&json, None)))
                                     .clone(),
                             });
+                            if let Some(id) = changed {
+                                c.outbox.send(Outgoing::Forget(id));
+                            }
                             c.outbox.send(Outgoing::Push {
                                 chain: chain.clone(),
                                 frame: frame.clone(),
@@ -662,6 +674,7 @@ mod tests {
         match out {
             Outgoing::Frame(t) | Outgoing::Push { frame: t, .. } => t.to_string(),
             Outgoing::SaveCursors(_) => "(save cursors)".into(),
+            Outgoing::Forget(id) => format!("(forget {id})"),
         }
     }
 

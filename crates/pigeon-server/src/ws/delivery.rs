@@ -32,6 +32,13 @@ impl Connection {
             Outgoing::Frame(f) => Some(f),
             // Handled where the outbox is read (`feed_queued`): not a frame.
             Outgoing::SaveCursors(_) => None,
+            Outgoing::Forget(id) => {
+                // A push's frame starts with its message's id (`msg_frame`).
+                let head = format!(r#"{{"type":"msg","message":{{"msg_id":"{id}","#);
+                self.unacked
+                    .retain(|_, p| !p.frame.as_str().starts_with(&head));
+                None
+            }
             Outgoing::Push { chain, frame } => {
                 if self.unacked.len() >= MAX_UNACKED {
                     self.unacked.pop_first();

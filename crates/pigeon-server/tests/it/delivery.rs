@@ -1281,3 +1281,45 @@ async fn a_pong_comes_once_the_acks_before_its_ping_are_saved() {
         .unwrap();
     assert_eq!(saved, 4);
 }
+
+/// PROTOCOL.md 1: a recalled message's content is `""` for everyone. A device that has not
+/// acknowledged a push is sent it again every `push-retry-ms`; once the message is recalled
+/// (or edited), those resends stop: they would show again what its sender took back. The
+/// `recall` command comes as usual, and a pull shows the message recalled.
+#[tokio::test]
+async fn a_recalled_message_is_not_resent_with_its_content() {
+    let s = spawn_with(|c| c.push_retry_ms = 300).await;
+    let alice = s.user(1).await;
+    let tb = s.token(2).await;
+    let mut b = s.ws(&tb, "never-acks").await;
+    let sent = alice
+        .post("/v1/messages", &text_to_user("secret-1", 2, "secret"))
+        .await
+        .unwrap();
+    let first = next_msg(&mut b).await;
+    assert_eq!(first["message"]["content"], "secret");
+    alice
+        .post(
+            &format!("/v1/messages/{}/recall", sent["msg_id"].as_str().unwrap()),
+            &json!({}),
+        )
+        .await
+        .unwrap();
+    // Two retry periods and more: the recall command (resent too, unacknowledged), never
+    // the secret again.
+    let until = std::time::Instant::now() + Duration::from_millis(1200);
+    let mut recall_seen = false;
+    while let Some(left) = until.checked_duration_since(std::time::Instant::now()) {
+        let Ok(Some(f)) = b.recv(left).await else {
+            break;
+        };
+        if f["type"] == "msg" {
+            assert_ne!(
+                f["message"]["content"], "secret",
+                "resent after the recall: {f}"
+            );
+            recall_seen |= f["message"]["kind"] == "recall";
+        }
+    }
+    assert!(recall_seen, "the recall command is pushed");
+}
