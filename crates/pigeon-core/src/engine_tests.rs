@@ -482,6 +482,22 @@ fn inbox_heads_are_kept_only_for_users_that_exist() {
     assert!(e.inbox_heads.contains_key(&uid(1)));
 }
 
+/// What the tables hold once everything `e` decided is applied: its conversations and its
+/// users' inbox heads (the store's side of [`load_from`]).
+fn stored(
+    e: &Engine,
+) -> (
+    HashMap<ConversationId, ConversationState>,
+    HashMap<UserId, u64>,
+) {
+    let convs = e
+        .conversations
+        .iter()
+        .map(|(id, c)| (id.clone(), c.clone()))
+        .collect();
+    (convs, e.inbox_heads.clone())
+}
+
 /// Gives `e` what [`Engine::needs`] asks for from what the tables hold (`convs`, `heads`),
 /// as the store does: a conversation with its members' inbox heads, a user with theirs;
 /// as the pipeline does, at most four rounds, and none that asks what the last one did (a
@@ -579,12 +595,10 @@ fn appending_after_the_caches_were_dropped_continues_every_members_inbox() {
     let mut convs: HashMap<ConversationId, ConversationState> = HashMap::new();
     let mut heads: HashMap<UserId, u64> = HashMap::new();
     for (i, batch) in batches.into_iter().enumerate() {
-        convs.extend(
-            e.conversations
-                .iter()
-                .map(|(id, c)| (id.clone(), c.clone())),
-        );
-        heads.extend(e.inbox_heads.iter().map(|(u, h)| (*u, *h)));
+        // Added to: a cold load caches only what it asked for.
+        let (now_convs, now_heads) = stored(&e);
+        convs.extend(now_convs);
+        heads.extend(now_heads);
         if i != 2 {
             // As after a restart: nothing cached, no user known.
             e.reset();
@@ -618,12 +632,7 @@ fn a_user_registered_in_a_batch_can_be_written_to_in_the_same_batch() {
     let mut e = engine(2, 10);
     let (mut ch, mut ev) = (Changes::default(), Vec::new());
     let gid = group(&mut e, 1, &[2], &mut ch, &mut ev);
-    let convs: HashMap<ConversationId, ConversationState> = e
-        .conversations
-        .iter()
-        .map(|(id, c)| (id.clone(), c.clone()))
-        .collect();
-    let heads = e.inbox_heads.clone();
+    let (convs, heads) = stored(&e);
     let new = uid(9);
     let batch = vec![
         Command::UpsertUser {
@@ -674,12 +683,7 @@ fn registering_a_known_user_again_keeps_their_inbox() {
             &mut ev,
         ));
     }
-    let convs: HashMap<ConversationId, ConversationState> = e
-        .conversations
-        .iter()
-        .map(|(id, c)| (id.clone(), c.clone()))
-        .collect();
-    let heads = e.inbox_heads.clone();
+    let (convs, heads) = stored(&e);
     assert_eq!(heads[&uid(1)], 3);
     e.reset();
     // The registration alone in its batch, the send in the next.
