@@ -18,51 +18,40 @@ pub async fn chat_page() -> impl IntoResponse {
     )
 }
 
+/// A probe's answer: `{"status": ...}`, 200 when `ok`, 503 otherwise.
+fn probe(ok: bool, status: &str) -> (StatusCode, axum::Json<serde_json::Value>) {
+    let code = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, axum::Json(serde_json::json!({ "status": status })))
+}
+
 /// Liveness: the process serves, unless its decider stopped on a broken invariant, which
 /// only a restart mends (so a supervisor that probes liveness restarts it).
 pub async fn healthz(State(app): State<AppRef>) -> impl IntoResponse {
     if app.pipeline.stats().decider_stopped() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(serde_json::json!({"status": "pipeline stopped"})),
-        );
+        return probe(false, "pipeline stopped");
     }
-    (
-        StatusCode::OK,
-        axum::Json(serde_json::json!({"status": "ok"})),
-    )
+    probe(true, "ok")
 }
 
 pub async fn readyz(State(app): State<AppRef>) -> impl IntoResponse {
     if app.is_draining() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(serde_json::json!({"status": "draining"})),
-        );
+        return probe(false, "draining");
     }
     if app.pipeline.stats().decider_stopped() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(serde_json::json!({"status": "pipeline stopped"})),
-        );
+        return probe(false, "pipeline stopped");
     }
     if app.pipeline.stats().commits_failing() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(serde_json::json!({"status": "commits failing"})),
-        );
+        return probe(false, "commits failing");
     }
     match app.store.meta_get("schema").await {
-        Ok(_) => (
-            StatusCode::OK,
-            axum::Json(serde_json::json!({"status": "ready"})),
-        ),
+        Ok(_) => probe(true, "ready"),
         Err(e) => {
             tracing::warn!(error = %e, "readiness check failed");
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                axum::Json(serde_json::json!({"status": "store unavailable"})),
-            )
+            probe(false, "store unavailable")
         }
     }
 }
