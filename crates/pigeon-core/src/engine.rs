@@ -981,6 +981,12 @@ impl Engine {
         if msg.kind != MessageKind::Text {
             return Err(DomainError::invalid("only text messages can be edited"));
         }
+        let conv = self.conversations.get(&conv_id).expect("visible checked");
+        // A dismissed group is read-only: that answers before the message's own state.
+        still_open(conv)?;
+        // An edit reaches every member, as a send does: not while muted.
+        let me = conv.members.get(&actor).expect("visible: a member");
+        let muted = me.mute_until.is_some_and(|until| until > now);
         if msg.status != MessageStatus::Normal {
             return Err(DomainError::Conflict(format!(
                 "the message is {}",
@@ -996,13 +1002,8 @@ impl Engine {
                 rules::MAX_MESSAGE_VERSIONS
             )));
         }
-        if let Some(conv) = self.conversations.get(&conv_id) {
-            still_open(conv)?;
-            // An edit reaches every member, as a send does: not while muted.
-            let me = conv.members.get(&actor).expect("visible: a member");
-            if me.mute_until.is_some_and(|until| until > now) {
-                return Err(DomainError::Muted);
-            }
+        if muted {
+            return Err(DomainError::Muted);
         }
         let mut updated = msg.clone();
         updated.version += 1;

@@ -322,6 +322,58 @@ fn recall_respects_the_window_except_for_group_managers() {
 }
 
 #[test]
+fn an_edit_in_a_dismissed_group_answers_conflict_even_past_its_window() {
+    let mut e = engine(2, 500);
+    let (mut ch, mut ev) = (Changes::default(), Vec::new());
+    let g = group(&mut e, 1, &[2], &mut ch, &mut ev);
+    let a = ack(send(
+        &mut e,
+        2,
+        SendTo::Conversation(g.clone()),
+        "e",
+        &mut ch,
+        &mut ev,
+    ));
+    let msg = ch
+        .messages
+        .iter()
+        .find(|m| m.msg_id == a.msg_id)
+        .unwrap()
+        .clone();
+    let needs = Needs {
+        messages: [a.msg_id].into(),
+        ..Needs::default()
+    };
+    e.absorb(
+        Loaded {
+            messages: [(a.msg_id, msg)].into(),
+            ..Loaded::default()
+        },
+        &needs,
+    );
+    let dismiss = Command::Dismiss {
+        actor: uid(1),
+        conversation: g,
+    };
+    e.apply(dismiss, T0, &mut ch, &mut ev).unwrap();
+    let edit = |content: &str| Command::Edit {
+        actor: uid(2),
+        msg_id: a.msg_id,
+        content: content.into(),
+    };
+    // docs/PROTOCOL-EXTENSIONS.md: a dismissed group answers `conflict` to every change,
+    // whatever else the change would meet.
+    let within = e.apply(edit("in time"), T0 + 1, &mut ch, &mut ev);
+    assert!(
+        matches!(within, Err(DomainError::Conflict(_))),
+        "{within:?}"
+    );
+    let late = T0 + e.cfg.edit_window_ms + 1;
+    let past = e.apply(edit("too late"), late, &mut ch, &mut ev);
+    assert!(matches!(past, Err(DomainError::Conflict(_))), "{past:?}");
+}
+
+#[test]
 fn a_batch_decided_while_the_previous_commits_sees_its_sends() {
     // Batch 1 is sealed but not committed (the store does not show it yet) while batch 2 is
     // decided: a retry of batch 1's send must be answered from memory as a duplicate, and
