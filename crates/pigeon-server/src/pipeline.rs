@@ -41,13 +41,61 @@ pub enum ReplyTo {
     Caller(oneshot::Sender<Result<Reply, PipelineError>>),
     /// A WebSocket connection: the answer is queued on its outbox before any push of the same
     /// batch, so a sender always sees its `send_ack` before the `msg` of its message.
-    Connection { outbox: Outbox, req: Option<i64> },
+    Connection(ConnectionReply),
     /// A barrier (`flush_tiers`): answered once the delivery task of `tier` has queued on
     /// the outboxes every frame decided before it, so a connection that waited for it
     /// finds its `send_ack`s (and their pushes) queued ahead of the reply it writes next.
     AfterDelivery { tx: Answer, tier: Tier },
     /// Nobody waits.
     Nobody,
+}
+
+impl ReplyTo {
+    /// For a command that never reached the pipeline, whose caller answers the error
+    /// itself: nothing more is sent.
+    fn disarm(self) {
+        if let ReplyTo::Connection(reply) = self {
+            reply.take();
+        }
+    }
+}
+
+/// Where a WebSocket command's answer goes: its connection's outbox and the frame's `req`.
+/// One dropped unanswered (its decider panicked with it in the batch) answers
+/// `unavailable` as it goes, so the client is not left waiting for a reply that never
+/// comes.
+pub struct ConnectionReply {
+    outbox: Option<Outbox>,
+    req: Option<i64>,
+}
+
+impl ConnectionReply {
+    pub fn new(outbox: Outbox, req: Option<i64>) -> Self {
+        ConnectionReply {
+            outbox: Some(outbox),
+            req,
+        }
+    }
+
+    /// The outbox and `req`, for whoever answers: nothing is sent on drop then.
+    fn take(mut self) -> (Outbox, Option<i64>) {
+        let outbox = self.outbox.take().expect("a reply is taken once");
+        (outbox, self.req)
+    }
+
+    fn answer_unavailable(&mut self) {
+        if let Some(outbox) = self.outbox.take() {
+            outbox.send(Outgoing::Frame(
+                error_frame(self.req, &PipelineError::Unavailable).into(),
+            ));
+        }
+    }
+}
+
+impl Drop for ConnectionReply {
+    fn drop(&mut self) {
+        self.answer_unavailable();
+    }
 }
 
 struct Envelope {
@@ -331,7 +379,11 @@ impl Pipeline {
         self.queue(tier)
             .send(Envelope { cmd, reply })
             .await
-            .map_err(|_| PipelineError::Unavailable)?;
+            .map_err(|mpsc::error::SendError(refused)| {
+                // The caller answers this error: the reply must not answer too.
+                refused.reply.disarm();
+                PipelineError::Unavailable
+            })?;
         Ok(tier)
     }
 
@@ -750,8 +802,8 @@ async fn decide(
 /// batch the tables would refuse after its senders had their acks), marks the pipeline
 /// stopped and says so loudly, so that `/healthz` and `/readyz` fail and a supervisor
 /// restarts the process (the journal holds every acknowledged batch) instead of every
-/// write failing quietly. (Requests in the chunk being decided are dropped unanswered: a
-/// caller over HTTP gets `unavailable`, a WebSocket one no reply.)
+/// write failing quietly. (The commands of the chunk being decided are dropped with it:
+/// each caller, over HTTP or WebSocket, is answered `unavailable`.)
 async fn stop_flagged(decider: impl Future<Output = ()>, stats: Arc<PipelineStats>) {
     use futures_util::FutureExt;
     if std::panic::AssertUnwindSafe(decider)
@@ -914,7 +966,8 @@ async fn deliver_batch(
                 ReplyTo::Caller(tx) => {
                     let _ = tx.send(result.map_err(PipelineError::from));
                 }
-                ReplyTo::Connection { outbox, req } => {
+                ReplyTo::Connection(reply) => {
+                    let (outbox, req) = reply.take();
                     let in_large = matches!(&result, Ok(Reply::SendAck(a)) if large.contains_key(&a.conversation_id));
                     if let Some(frame) = connection_reply(req, result) {
                         if in_large { &mut bulk } else { &mut fast }
@@ -982,11 +1035,7 @@ fn answer_all_unavailable(replies: impl IntoIterator<Item = ReplyTo>) {
             ReplyTo::Caller(tx) | ReplyTo::AfterDelivery { tx, .. } => {
                 let _ = tx.send(Err(PipelineError::Unavailable));
             }
-            ReplyTo::Connection { outbox, req } => {
-                outbox.send(Outgoing::Frame(
-                    error_frame(req, &PipelineError::Unavailable).into(),
-                ));
-            }
+            ReplyTo::Connection(mut reply) => reply.answer_unavailable(),
             ReplyTo::Nobody => {}
         }
     }
@@ -1332,6 +1381,36 @@ mod tests {
         );
         stop_flagged(async { panic!("a broken invariant") }, stats.clone()).await;
         assert!(stats.decider_stopped());
+    }
+
+    #[tokio::test]
+    async fn a_websocket_command_dropped_by_a_panicking_decider_is_answered_unavailable() {
+        let (outbox, mut reader) = Outbox::new();
+        let stats = Arc::new(PipelineStats::default());
+        let held = ReplyTo::Connection(ConnectionReply::new(outbox.clone(), Some(7)));
+        stop_flagged(
+            async move {
+                let _in_the_batch = held;
+                panic!("a broken invariant")
+            },
+            stats,
+        )
+        .await;
+        let Some(Outgoing::Frame(frame)) = reader.try_recv() else {
+            panic!("the command was left unanswered");
+        };
+        let frame: serde_json::Value = serde_json::from_str(frame.as_str()).unwrap();
+        assert_eq!(frame["type"], "error");
+        assert_eq!(frame["req"], 7);
+        assert_eq!(frame["code"], "unavailable");
+        assert!(reader.try_recv().is_none(), "answered once");
+
+        // A reply taken by whoever answers, or disarmed for a caller that answers the
+        // error itself, sends nothing more.
+        ReplyTo::Connection(ConnectionReply::new(outbox.clone(), Some(8))).disarm();
+        let (_, req) = ConnectionReply::new(outbox, Some(9)).take();
+        assert_eq!(req, Some(9));
+        assert!(reader.try_recv().is_none());
     }
 
     /// A test's data directory, removed when the test ends, passed or not.

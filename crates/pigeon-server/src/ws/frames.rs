@@ -3,7 +3,7 @@
 
 use super::{Connection, MAX_FRAME_BYTES};
 use crate::error::ApiError;
-use crate::pipeline::{ReplyTo, Tier, now_ms};
+use crate::pipeline::{ConnectionReply, ReplyTo, Tier, now_ms};
 use pigeon_core::command::Command;
 use pigeon_core::rules::validate_send;
 use pigeon_proto::ErrorCode;
@@ -154,10 +154,7 @@ impl Connection {
                 // valid one.
                 app.limits.check_send(self.user)?;
                 let cmd = validate_send(self.user, s, app.limits())?;
-                let reply = ReplyTo::Connection {
-                    outbox: self.outbox.clone(),
-                    req,
-                };
+                let reply = ReplyTo::Connection(ConnectionReply::new(self.outbox.clone(), req));
                 let tier = app.pipeline.submit(Command::Send(cmd), reply).await?;
                 self.sent_on(tier);
                 Ok(Vec::new())
@@ -209,10 +206,7 @@ impl Connection {
                 app.pipeline
                     .submit(
                         cmd,
-                        ReplyTo::Connection {
-                            outbox: self.outbox.clone(),
-                            req,
-                        },
+                        ReplyTo::Connection(ConnectionReply::new(self.outbox.clone(), req)),
                     )
                     .await?;
                 Ok(Vec::new())
