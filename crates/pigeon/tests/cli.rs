@@ -148,6 +148,29 @@ async fn settings_come_from_the_environment_over_the_file() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some("payload_too_large"));
+    // The file's `recall-window-secs = 1` holds too (the default is 120 s).
+    let ack = user
+        .post(
+            "/v1/messages",
+            &json!({"client_msg_id": "y", "to": {"user": 2}, "kind": "text", "content": "short"}),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let msg_id = ack["msg_id"].as_str().unwrap();
+    let (status, body) = user
+        .raw(
+            reqwest::Method::POST,
+            &format!("/v1/messages/{msg_id}/recall"),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (409, Some("window_expired")),
+        "recall-window-secs from the file"
+    );
 }
 
 #[tokio::test]
@@ -545,6 +568,119 @@ async fn flags_win_over_the_environment() {
                 "--max-content-bytes {flag} (env {env}) let 50 bytes through"
             );
         }
+        p.child.kill().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// PROTOCOL.md 2: `--recall-window-secs`, `--edit-window-secs`, `--push-retry-ms` and
+/// `--data-dir` exist, as flags and as their `PIGEON_*` variables, and take effect: with
+/// windows of 1 s a recall and an edit 1.1 s after the send answer 409 `window_expired` (the
+/// defaults are 120 s and a day), an unacknowledged push comes again well before the default
+/// 3 s (never sooner than 200 ms after the send: PROTOCOL-EXTENSIONS.md), and the store is
+/// made under the directory named, not under `./data`.
+#[tokio::test]
+async fn windows_push_retry_and_data_dir_come_from_flags_and_the_environment() {
+    for (tag, flags, env) in [
+        (
+            "windows-flags",
+            vec![
+                "--recall-window-secs",
+                "1",
+                "--edit-window-secs",
+                "1",
+                "--push-retry-ms",
+                "200",
+                "--data-dir",
+                "store",
+            ],
+            vec![],
+        ),
+        (
+            "windows-env",
+            vec![],
+            vec![
+                ("PIGEON_RECALL_WINDOW_SECS", "1"),
+                ("PIGEON_EDIT_WINDOW_SECS", "1"),
+                ("PIGEON_PUSH_RETRY_MS", "200"),
+                ("PIGEON_DATA_DIR", "store"),
+            ],
+        ),
+    ] {
+        let dir = temp_dir(tag);
+        let mut args = vec!["--admin-key", KEY];
+        args.extend(flags);
+        let mut p = start(&dir, &args, &env).await;
+        assert!(
+            dir.join("store").join("pigeon.db").exists(),
+            "{tag}: the store lives under the data dir named"
+        );
+        assert!(!dir.join("data").exists(), "{tag}: nothing under ./data");
+        let admin = Http::new(p.base.clone()).with_bearer(KEY);
+        admin.upsert_user(1, "a").await.unwrap();
+        admin.upsert_user(2, "b").await.unwrap();
+        let alice = Http::new(p.base.clone()).with_bearer(admin.mint_token(1, 60).await.unwrap());
+        let bob_token = admin.mint_token(2, 60).await.unwrap();
+        let mut bob = WsConn::connect(&p.base.replace("http", "ws"), &bob_token, "b")
+            .await
+            .unwrap();
+
+        let sent = std::time::Instant::now();
+        let ack = alice
+            .post(
+                "/v1/messages",
+                &json!({"client_msg_id": "w1", "to": {"user": 2}, "kind": "text", "content": "first"}),
+            )
+            .await
+            .unwrap();
+        let is_msg = |v: &Value| v["type"] == "msg";
+        let first = bob
+            .recv_until(Duration::from_secs(10), is_msg)
+            .await
+            .unwrap()
+            .expect("the push");
+        // Not acknowledged: sent again after push-retry-ms (200), long before the default
+        // 3000 (2500 ms allowed for a busy machine).
+        let again = bob
+            .recv_until(Duration::from_secs(10), is_msg)
+            .await
+            .unwrap()
+            .expect("the push is resent");
+        let took = sent.elapsed();
+        assert_eq!(again, first, "{tag}: the same push again");
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_millis(2500),
+            "{tag}: resent {took:?} after the send"
+        );
+
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let msg_id = ack["msg_id"].as_str().unwrap();
+        let (status, body) = alice
+            .raw(
+                reqwest::Method::PATCH,
+                &format!("/v1/messages/{msg_id}"),
+                Some(&json!({"content": "second"})),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (409, Some("window_expired")),
+            "{tag}: a late edit"
+        );
+        let (status, body) = alice
+            .raw(
+                reqwest::Method::POST,
+                &format!("/v1/messages/{msg_id}/recall"),
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (409, Some("window_expired")),
+            "{tag}: a late recall"
+        );
         p.child.kill().await.unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
