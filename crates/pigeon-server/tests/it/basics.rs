@@ -57,6 +57,75 @@ async fn health_ready_metrics_and_openapi_answer() {
     assert!(doc["paths"]["/v1/messages"]["post"].is_object());
 }
 
+/// PROTOCOL.md 2: "`GET /openapi.json` serves the OpenAPI 3 description of every HTTP
+/// endpoint": every (method, path) of PROTOCOL.md 2, 5, 6 and 7, written out here by hand
+/// from PROTOCOL.md (not taken from the server's own table), is an operation of the
+/// document, with its answers described. Paths are spelled with the document's parameter
+/// names (`{id}`, `{uid}`, `{msg_id}`).
+#[tokio::test]
+async fn openapi_describes_every_endpoint_of_the_protocol() {
+    let s = spawn_server().await;
+    let doc = s.anon().get("/openapi.json").await.unwrap();
+    let endpoints = [
+        // Section 2.
+        ("get", "/healthz"),
+        ("get", "/readyz"),
+        ("get", "/metrics"),
+        ("get", "/openapi.json"),
+        // Section 5.
+        ("get", "/v1/ws"),
+        // Section 6, admin.
+        ("post", "/v1/admin/users"),
+        ("post", "/v1/admin/tokens"),
+        ("post", "/v1/admin/users/{id}/logout"),
+        ("get", "/v1/admin/messages/{msg_id}"),
+        ("delete", "/v1/admin/messages/{msg_id}"),
+        // Messages.
+        ("post", "/v1/messages"),
+        ("post", "/v1/messages/{msg_id}/recall"),
+        ("patch", "/v1/messages/{msg_id}"),
+        ("get", "/v1/messages/{msg_id}/versions"),
+        ("delete", "/v1/messages/{msg_id}"),
+        // Conversations.
+        ("get", "/v1/conversations"),
+        ("get", "/v1/conversations/{id}"),
+        ("get", "/v1/conversations/{id}/messages"),
+        ("get", "/v1/conversations/{id}/messages/range"),
+        ("post", "/v1/conversations/{id}/read"),
+        ("get", "/v1/conversations/{id}/receipts"),
+        ("put", "/v1/conversations/{id}/settings"),
+        ("get", "/v1/unread"),
+        ("get", "/v1/sync"),
+        // Groups.
+        ("post", "/v1/groups"),
+        ("patch", "/v1/groups/{id}"),
+        ("post", "/v1/groups/{id}/members"),
+        ("delete", "/v1/groups/{id}/members/{uid}"),
+        ("put", "/v1/groups/{id}/admins/{uid}"),
+        ("delete", "/v1/groups/{id}/admins/{uid}"),
+        ("post", "/v1/groups/{id}/mutes"),
+        ("delete", "/v1/groups/{id}/mutes/{uid}"),
+        ("delete", "/v1/groups/{id}"),
+        ("get", "/v1/groups/{id}/members"),
+        // Section 7.
+        ("post", "/v1/admin/rooms"),
+        ("delete", "/v1/admin/rooms/{id}"),
+        ("get", "/v1/rooms/{id}"),
+    ];
+    let missing: Vec<String> = endpoints
+        .iter()
+        .filter(|(method, path)| {
+            let op = &doc["paths"][*path][*method];
+            !(op.is_object() && op["responses"].is_object())
+        })
+        .map(|(method, path)| format!("{method} {path}"))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "not described by /openapi.json: {missing:?}"
+    );
+}
+
 #[tokio::test]
 async fn every_documented_endpoint_is_routed() {
     let s = spawn_server().await;
@@ -189,32 +258,44 @@ async fn a_send_right_after_the_logout_answer_is_not_taken() {
 async fn logout_revokes_tokens_and_kicks_connections() {
     let s = spawn_server().await;
     let token = s.token(111).await;
+    // Every one of the user's connections, on every token: a second device on a second token.
+    let laptop_token = s.admin.mint_token(111, 3600).await.unwrap();
     let mut ws = s.ws(&token, "phone").await;
+    let mut laptop = s.ws(&laptop_token, "laptop").await;
     s.admin
         .post("/v1/admin/users/111/logout", &json!({}))
         .await
         .unwrap();
-    let kicked = ws
-        .recv_until(WAIT, |v| v["type"] == "kicked")
-        .await
-        .unwrap()
-        .expect("kicked frame");
-    assert_eq!(kicked["reason"], "token_revoked");
-    // Closed with 1008 (PROTOCOL-EXTENSIONS.md), and the token's upgrade is refused with 401
-    // ("A connection that cannot authenticate is refused").
-    assert_eq!(ws.closed(WAIT).await, Some(1008));
-    match WsConn::connect(&s.ws_base, &token, "phone").await {
-        Err(pigeon_client::ClientError::Api { status, body }) => {
-            assert_eq!((status, body.code.as_str()), (401, "unauthorized"));
-        }
-        Err(e) => panic!("refused otherwise than with 401: {e}"),
-        Ok(_) => panic!("a revoked token connected"),
+    for (device, conn) in [("phone", &mut ws), ("laptop", &mut laptop)] {
+        let kicked = conn
+            .recv_until(WAIT, |v| v["type"] == "kicked")
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{device}: no kicked frame"));
+        assert_eq!(
+            kicked,
+            json!({"type": "kicked", "reason": "token_revoked"}),
+            "{device}"
+        );
+        // Closed with 1008 (PROTOCOL-EXTENSIONS.md).
+        assert_eq!(conn.closed(WAIT).await, Some(1008), "{device}");
     }
-    let alice = s.anon().with_bearer(token.clone());
-    assert_eq!(
-        code_of(alice.get("/v1/conversations").await),
-        "unauthorized"
-    );
+    // Both tokens' upgrades are refused with 401 ("A connection that cannot authenticate is
+    // refused"), and both stop working over HTTP.
+    for t in [&token, &laptop_token] {
+        match WsConn::connect(&s.ws_base, t, "phone").await {
+            Err(pigeon_client::ClientError::Api { status, body }) => {
+                assert_eq!((status, body.code.as_str()), (401, "unauthorized"));
+            }
+            Err(e) => panic!("refused otherwise than with 401: {e}"),
+            Ok(_) => panic!("a revoked token connected"),
+        }
+        let alice = s.anon().with_bearer(t.clone());
+        assert_eq!(
+            code_of(alice.get("/v1/conversations").await),
+            "unauthorized"
+        );
+    }
     // A token minted after the logout works.
     let fresh = s.admin.mint_token(111, 60).await.unwrap();
     s.anon()
@@ -242,6 +323,77 @@ async fn websocket_accepts_the_token_in_the_query_and_says_hello() {
     assert_eq!(ws.hello["heartbeat_ms"], 30000);
     assert_eq!(ws.hello["user_seq"], 0);
     assert!(ws.hello["server_time"].as_i64().unwrap() > 1_700_000_000_000);
+}
+
+/// The status and the JSON body of the answer to a WebSocket upgrade request (`GET /v1/ws`
+/// with the handshake's headers) for device `d`, `query` appended to its query string,
+/// read raw: `WsConn::connect_request` makes up the code `unauthorized` for any refusal whose
+/// body is not JSON.
+async fn upgrade_answer(s: &TestServer, query: &str, bearer: Option<&str>) -> (u16, Value) {
+    let mut req = reqwest::Client::new()
+        .get(format!("{}/v1/ws?device_id=d{query}", s.base))
+        .header("connection", "Upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==");
+    if let Some(b) = bearer {
+        req = req.bearer_auth(b);
+    }
+    let resp = req.send().await.expect("an answer");
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap_or_default();
+    let body = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{status}: a body that is not JSON ({e}): {text:?}"));
+    (status, body)
+}
+
+/// PROTOCOL.md 5: "A connection that cannot authenticate is refused (HTTP 401 on the
+/// upgrade)", with PROTOCOL.md 1's error body, `unauthorized` ("missing, malformed, expired
+/// or revoked token"): a garbage token, an expired one (`ttl_secs` 0) and a revoked one
+/// (after a logout), each given as `?token=` and as the `Authorization` header, and none at
+/// all (an empty `?token=` is none, PROTOCOL-EXTENSIONS.md).
+#[tokio::test]
+async fn the_upgrade_is_refused_with_401_for_a_bad_expired_revoked_or_missing_token() {
+    let s = spawn_server().await;
+    s.admin.upsert_user(111, "a").await.unwrap();
+    let expired = s
+        .admin
+        .post("/v1/admin/tokens", &json!({"user_id": 111, "ttl_secs": 0}))
+        .await
+        .unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let revoked = s.token(112).await;
+    s.admin
+        .post("/v1/admin/users/112/logout", &json!({}))
+        .await
+        .unwrap();
+    let mut cases: Vec<(String, String, Option<String>)> = vec![
+        ("no token".into(), String::new(), None),
+        ("an empty ?token=".into(), "&token=".into(), None),
+    ];
+    for (what, token) in [
+        ("garbage", "not-a-token".to_owned()),
+        ("expired", expired),
+        ("revoked", revoked),
+    ] {
+        cases.push((
+            format!("{what} in ?token="),
+            format!("&token={token}"),
+            None,
+        ));
+        cases.push((format!("{what} in the header"), String::new(), Some(token)));
+    }
+    for (what, query, bearer) in cases {
+        let (status, body) = upgrade_answer(&s, &query, bearer.as_deref()).await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (401, Some("unauthorized")),
+            "{what}: {body}"
+        );
+        assert!(body["message"].is_string(), "{what}: {body}");
+    }
 }
 
 #[tokio::test]
@@ -428,6 +580,40 @@ async fn http_send_answers_the_ack_and_the_sender_devices_get_it() {
     assert_eq!(conv["type"], "single");
     assert_eq!(conv["fanout"], "write");
     assert_eq!(conv["member_count"], 2);
+}
+
+/// PROTOCOL.md 5.1: "Sending moves the sender's own `last_read_seq` in that conversation to
+/// the new message", for a send over the WebSocket too: the peer's unread messages before it
+/// are read with it.
+#[tokio::test]
+async fn a_websocket_send_moves_the_senders_own_read_mark() {
+    let s = spawn_server().await;
+    let ta = s.token(111).await;
+    let alice = s.anon().with_bearer(ta.clone());
+    let bob = s.user(222).await;
+    post_texts(&bob, "unread-", 111, 2, "for alice").await;
+    let c = alice.get("/v1/conversations/111-222").await.unwrap();
+    assert_eq!(
+        (c["last_read_seq"].as_u64(), c["unread"].as_u64()),
+        (Some(0), Some(2)),
+        "{c}"
+    );
+    let mut ws = s.ws(&ta, "a").await;
+    let ack = request(&mut ws, send_frame(text_to_user("ws-own", 222, "back")), 1).await;
+    assert_eq!(ack["seq"], 3, "{ack}");
+    let c = alice.get("/v1/conversations/111-222").await.unwrap();
+    assert_eq!(
+        (c["last_read_seq"].as_u64(), c["unread"].as_u64()),
+        (Some(3), Some(0)),
+        "{c}"
+    );
+    // Only the sender's: the peer has read nothing of it.
+    let c = bob.get("/v1/conversations/111-222").await.unwrap();
+    assert_eq!(
+        (c["last_read_seq"].as_u64(), c["unread"].as_u64()),
+        (Some(2), Some(1)),
+        "{c}"
+    );
 }
 
 #[tokio::test]
@@ -872,6 +1058,40 @@ async fn a_websocket_retry_answers_duplicate_with_its_own_req() {
     );
     let alice = s.anon().with_bearer(ta);
     assert_eq!(newest_seq(&alice, "111-222").await, 1);
+}
+
+/// PROTOCOL.md 5.1: the `send_ack` carries `created_at`, the message's own (the one its
+/// push and history show), and a retry, which "returns the same `msg_id` and `seq`", returns
+/// the first send's `created_at` too, not the time of the retry.
+#[tokio::test]
+async fn send_ack_created_at_is_the_messages_and_a_retry_repeats_it() {
+    let s = spawn_server().await;
+    let ta = s.token(111).await;
+    let bob = s.user(222).await;
+    let mut a = s.ws(&ta, "a").await;
+    let first = request(&mut a, send_frame(text_to_user("ca-1", 222, "when")), 1).await;
+    assert_eq!(first["type"], "send_ack", "{first}");
+    let created_at = first["created_at"].as_i64().expect("created_at in ms");
+    let own = next_msg(&mut a).await;
+    assert_eq!(own["message"]["msg_id"], first["msg_id"]);
+    assert_eq!(own["message"]["created_at"], created_at, "{own}");
+    assert_eq!(at_seq(&bob, "111-222", 1).await["created_at"], created_at);
+    // A retry a little later: the clock has moved, the message's time has not.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let again = request(&mut a, send_frame(text_to_user("ca-1", 222, "when")), 2).await;
+    assert_eq!(again["duplicate"], true, "{again}");
+    assert_eq!(again["created_at"], created_at, "{again}");
+    // Over HTTP too.
+    let alice = s.anon().with_bearer(ta);
+    let http = alice
+        .post("/v1/messages", &text_to_user("ca-1", 222, "when"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (http["duplicate"].as_bool(), http["created_at"].as_i64()),
+        (Some(true), Some(created_at)),
+        "{http}"
+    );
 }
 
 /// PROTOCOL.md 5: "A connection silent for more than two heartbeats is closed" (close code

@@ -543,6 +543,33 @@ async fn long_poll_answers_as_soon_as_something_arrives() {
     );
 }
 
+/// PROTOCOL.md 6: `GET /v1/sync` "answers at once when there is something after
+/// `user_seq`": a long poll (`wait_ms=20000`) over an inbox that already holds messages after
+/// the given `user_seq` comes back with them without waiting (5 s allowed, far below the 20 s
+/// a poll that waited would take).
+#[tokio::test]
+async fn a_long_poll_answers_at_once_when_the_inbox_already_has_something_newer() {
+    let s = spawn_server().await;
+    let alice = s.user(1).await;
+    let bob = s.user(2).await;
+    post_texts(&alice, "ready-", 2, 2, "already here").await;
+    for (after, expected) in [(0u64, vec![1u64, 2]), (1, vec![2])] {
+        let started = std::time::Instant::now();
+        let r = bob
+            .get(&format!("/v1/sync?user_seq={after}&wait_ms=20000"))
+            .await
+            .unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "after {after}: answered {took:?} later, as if it waited"
+        );
+        assert_eq!(item_seqs(&r), expected, "{r}");
+        assert_eq!(r["user_seq"], 2, "{r}");
+        assert_eq!(r["items"][0]["message"]["content"], "already here");
+    }
+}
+
 /// PROTOCOL.md 5.3: for a pull, "`from` defaults to the device's cursor + 1, `to` to the
 /// newest": a read fan-out group pulled with neither starts after what this device
 /// acknowledged and ends at the group's newest seq.

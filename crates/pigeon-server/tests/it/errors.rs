@@ -322,6 +322,81 @@ async fn http_bad_input_gets_protocol_errors() {
     );
 }
 
+/// PROTOCOL.md 1's `invalid_argument` ("malformed JSON, wrong types, bad ids, empty
+/// content, unknown kind") for the fields of `POST /v1/messages`: a kind that is no kind, a
+/// command kind (those are the server's to write), empty or missing content, a target naming
+/// both a user and a conversation, an empty `client_msg_id` (1-64 characters). Each answers
+/// 400 and stores nothing: the chat's newest seq and the peer's inbox stay where they were.
+#[tokio::test]
+async fn bad_send_fields_answer_400_invalid_argument_and_store_nothing() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    alice
+        .post("/v1/messages", &text_to_user("good", 222, "kept"))
+        .await
+        .unwrap();
+    let with = |cmid: &str, field: &str, value: Value| {
+        let mut body = text_to_user(cmid, 222, "x");
+        body[field] = value;
+        body
+    };
+    let mut no_content = text_to_user("no-content", 222, "x");
+    no_content.as_object_mut().unwrap().remove("content");
+    let cases = [
+        (
+            "an unknown kind",
+            with("hologram", "kind", json!("hologram")),
+        ),
+        (
+            "a command kind",
+            with("command", "kind", json!("group_created")),
+        ),
+        ("empty content", with("empty", "content", json!(""))),
+        ("no content", no_content),
+        (
+            "both targets",
+            with(
+                "both",
+                "to",
+                json!({"user": 222, "conversation": "111-222"}),
+            ),
+        ),
+        ("an empty client_msg_id", text_to_user("", 222, "x")),
+    ];
+    for (what, body) in &cases {
+        assert_eq!(
+            status_and_code(&alice, Method::POST, "/v1/messages", Some(body)).await,
+            (400, "invalid_argument".to_owned()),
+            "{what}: {body}"
+        );
+    }
+    assert_eq!(newest_seq(&alice, "111-222").await, 1, "nothing stored");
+    let inbox = bob.get("/v1/sync?wait_ms=0").await.unwrap();
+    assert_eq!(inbox["user_seq"], 1, "nothing delivered: {inbox}");
+}
+
+/// PROTOCOL.md 1: `not_found` is for "no such ... user": a WebSocket send to a user id that
+/// was never registered answers an error frame `not_found` carrying the send's `req`, and
+/// the connection goes on.
+#[tokio::test]
+async fn a_websocket_send_to_an_unregistered_user_answers_not_found_with_its_req() {
+    let (_s, mut ws) = connected().await;
+    let e = request(&mut ws, send_frame(text_to_user("nobody", 98765, "x")), 5).await;
+    assert_eq!(
+        (e["type"].as_str(), e["code"].as_str(), e["req"].as_i64()),
+        (Some("error"), Some("not_found"), Some(5)),
+        "{e}"
+    );
+    assert!(e["message"].is_string(), "{e}");
+    let ack = request(&mut ws, send_frame(text_to_user("somebody", 222, "x")), 6).await;
+    assert_eq!(
+        (ack["type"].as_str(), ack["seq"].as_u64()),
+        (Some("send_ack"), Some(1)),
+        "{ack}"
+    );
+}
+
 /// `ttl_secs: 0` mints a token that has already expired (PROTOCOL-EXTENSIONS.md): a way to
 /// see an expired token refused, over HTTP and on the upgrade, without waiting.
 #[tokio::test]

@@ -435,10 +435,21 @@ async fn members_quit_but_the_owner_cannot() {
         "not_member"
     );
 
-    // The owner may not quit (they dismiss instead): refused, nothing changes.
-    let r = alice.delete(&format!("/v1/groups/{id}/members/111")).await;
-    let code = code_of(r);
-    assert!(code == "forbidden" || code == "conflict", "{code}");
+    // The owner may not quit (they dismiss instead): 403 `forbidden` (PROTOCOL-EXTENSIONS.md),
+    // and nothing changes.
+    let (status, body) = alice
+        .raw(
+            reqwest::Method::DELETE,
+            &format!("/v1/groups/{id}/members/111"),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (403, Some("forbidden")),
+        "{body}"
+    );
     assert_eq!(newest_seq(&alice, &id).await, 3);
     assert_eq!(
         roles(&alice, &id).await,
@@ -864,6 +875,10 @@ async fn a_dismissed_group_is_read_only() {
     let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "group_dismissed").await;
     assert_eq!(cmd["seq"], 3);
     assert_eq!(cmd["sender"], 111);
+    // PROTOCOL-EXTENSIONS.md: "Command messages have `client_msg_id` `null`;
+    // `group_dismissed` has `extra` `{}`".
+    assert_eq!(cmd["extra"], json!({}), "{cmd}");
+    assert!(cmd["client_msg_id"].is_null(), "{cmd}");
 
     for (h, cmid) in [(&bob, "b2"), (&alice, "a1")] {
         assert_eq!(
@@ -917,6 +932,225 @@ async fn a_dismissed_group_is_read_only() {
     assert_eq!(newest_seq(&alice, &id).await, 3);
     let code = code_of(alice.delete(&format!("/v1/groups/{id}")).await);
     assert_eq!(code, "conflict", "dismissing twice");
+}
+
+/// PROTOCOL.md 6: `POST /v1/groups` "answers with the new group's conversation (the shape
+/// of `GET /v1/conversations/{id}`)": the very object a read of it right after gives, every
+/// field alike (nothing happens in the group between the two calls).
+#[tokio::test]
+async fn creating_a_group_answers_what_reading_its_conversation_answers() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _ = s.user(222).await;
+    let _ = s.user(333).await;
+    let created = alice
+        .post(
+            "/v1/groups",
+            &json!({"name": "same", "members": [222, 333]}),
+        )
+        .await
+        .unwrap();
+    let id = created["conversation_id"].as_str().unwrap();
+    let read = alice.get(&format!("/v1/conversations/{id}")).await.unwrap();
+    assert_eq!(created, read);
+    assert_eq!(created["member_count"], 3, "the owner counted: {created}");
+}
+
+/// PROTOCOL-EXTENSIONS.md: "Command messages have `client_msg_id` `null`; `group_dismissed`
+/// has `extra` `{}`". Every kind of command the server writes into a group's chain, as the
+/// history reads it.
+#[tokio::test]
+async fn command_messages_have_no_client_msg_id_and_a_dismissal_no_parameters() {
+    let s = spawn_server().await;
+    let Trio {
+        alice,
+        bob,
+        carol,
+        id,
+        ..
+    } = trio(&s).await;
+    let _dave = s.user(444).await;
+    invite(&bob, &id, &[444]).await.unwrap();
+    alice
+        .post(
+            &format!("/v1/groups/{id}/mutes"),
+            &json!({"user_id": 444, "duration_secs": 600}),
+        )
+        .await
+        .unwrap();
+    alice
+        .delete(&format!("/v1/groups/{id}/mutes/444"))
+        .await
+        .unwrap();
+    alice
+        .patch(&format!("/v1/groups/{id}"), &json!({"notice": "be nice"}))
+        .await
+        .unwrap();
+    let sent = bob
+        .post("/v1/messages", &text_to_conv("b1", &id, "typo"))
+        .await
+        .unwrap();
+    let sent_id = sent["msg_id"].as_str().unwrap();
+    bob.patch(
+        &format!("/v1/messages/{sent_id}"),
+        &json!({"content": "fixed"}),
+    )
+    .await
+    .unwrap();
+    bob.post(&format!("/v1/messages/{sent_id}/recall"), &json!({}))
+        .await
+        .unwrap();
+    alice
+        .delete(&format!("/v1/groups/{id}/members/444"))
+        .await
+        .unwrap();
+    carol
+        .delete(&format!("/v1/groups/{id}/members/333"))
+        .await
+        .unwrap();
+    alice.delete(&format!("/v1/groups/{id}")).await.unwrap();
+
+    let msgs = alice.whole_history(&id).await.unwrap();
+    let kinds: Vec<&str> = msgs.iter().map(|m| m["kind"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        vec![
+            "group_created",
+            "member_invited",
+            "member_muted",
+            "member_unmuted",
+            "group_updated",
+            "text",
+            "edit",
+            "recall",
+            "member_kicked",
+            "member_quit",
+            "group_dismissed",
+        ]
+    );
+    for m in &msgs {
+        if m["kind"] == "text" {
+            assert_eq!(m["client_msg_id"], "b1", "{m}");
+        } else {
+            assert!(m["client_msg_id"].is_null(), "a command's: {m}");
+        }
+    }
+    let dismissed = msgs.last().unwrap();
+    assert_eq!(dismissed["extra"], json!({}), "{dismissed}");
+}
+
+/// PROTOCOL-EXTENSIONS.md: "kick/quit, admin changes, mutes and dismiss answer `{}`"
+/// (`PUT`/`DELETE /v1/groups/{id}/admins/{uid}` among them).
+#[tokio::test]
+async fn group_changes_other_than_create_update_and_invite_answer_an_empty_object() {
+    let s = spawn_server().await;
+    let Trio {
+        alice, carol, id, ..
+    } = trio(&s).await;
+    let _dave = s.user(444).await;
+    invite(&alice, &id, &[444]).await.unwrap();
+    let answers = [
+        (
+            "appoint an admin",
+            alice
+                .put(&format!("/v1/groups/{id}/admins/222"), None)
+                .await,
+        ),
+        (
+            "remove an admin",
+            alice.delete(&format!("/v1/groups/{id}/admins/222")).await,
+        ),
+        (
+            "mute",
+            alice
+                .post(
+                    &format!("/v1/groups/{id}/mutes"),
+                    &json!({"user_id": 222, "duration_secs": 600}),
+                )
+                .await,
+        ),
+        (
+            "unmute",
+            alice.delete(&format!("/v1/groups/{id}/mutes/222")).await,
+        ),
+        (
+            "kick",
+            alice.delete(&format!("/v1/groups/{id}/members/444")).await,
+        ),
+        (
+            "quit",
+            carol.delete(&format!("/v1/groups/{id}/members/333")).await,
+        ),
+        ("dismiss", alice.delete(&format!("/v1/groups/{id}")).await),
+    ];
+    for (what, answer) in answers {
+        let answer = answer.unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(answer, json!({}), "{what}");
+    }
+}
+
+/// PROTOCOL-EXTENSIONS.md: "The conversation list leaves out groups the caller has left or
+/// was removed from, and `GET /v1/conversations/{id}` of such a group answers `403
+/// not_member`; their history up to the removal stays readable". For a kicked member and
+/// for one who quit.
+#[tokio::test]
+async fn a_former_member_no_longer_lists_the_group_nor_reads_it_as_a_conversation() {
+    let s = spawn_server().await;
+    let Trio {
+        alice,
+        bob,
+        carol,
+        id,
+        ..
+    } = trio(&s).await;
+    let group_ids = |list: &Value| -> Vec<String> {
+        list["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["conversation_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    for h in [&bob, &carol] {
+        let list = h.get("/v1/conversations").await.unwrap();
+        assert_eq!(group_ids(&list), vec![id.clone()], "a member lists it");
+    }
+    alice
+        .delete(&format!("/v1/groups/{id}/members/222"))
+        .await
+        .unwrap();
+    carol
+        .delete(&format!("/v1/groups/{id}/members/333"))
+        .await
+        .unwrap();
+    // Later activity in the group does not bring it back either.
+    alice
+        .post("/v1/messages", &text_to_conv("a1", &id, "after"))
+        .await
+        .unwrap();
+    for (h, who, removal) in [(&bob, "kicked", 2u64), (&carol, "quit", 3)] {
+        let list = h.get("/v1/conversations").await.unwrap();
+        assert_eq!(group_ids(&list), Vec::<String>::new(), "{who}: {list}");
+        let (status, body) = h
+            .raw(
+                reqwest::Method::GET,
+                &format!("/v1/conversations/{id}"),
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (403, Some("not_member")),
+            "{who}: {body}"
+        );
+        assert_eq!(
+            history_seqs(h, &id, "?limit=100").await.last(),
+            Some(&removal),
+            "{who}: history up to the removal"
+        );
+    }
+    assert_eq!(newest_seq(&alice, &id).await, 4);
 }
 
 #[tokio::test]

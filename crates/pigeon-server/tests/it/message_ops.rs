@@ -91,17 +91,24 @@ async fn the_sender_recalls_and_everyone_sees_it_recalled() {
         assert_eq!(c["kind"], "recall");
         assert_eq!(c["extra"]["msg_id"], id.as_str());
     }
-    // Nor does the conversation's last message, when it is the recalled one.
+    // Nor does the conversation's last message, which stays the recalled one: the `recall`
+    // command advances the chain but does not replace `last_message`
+    // (PROTOCOL-EXTENSIONS.md).
     for h in [&alice, &bob] {
         let c = h.get("/v1/conversations/111-222").await.unwrap();
+        assert_eq!(c["seq"], seq + 1, "{c}");
         let last = &c["last_message"];
-        if last["msg_id"] == id.as_str() {
-            assert_eq!(
-                (last["status"].as_str(), last["content"].as_str()),
-                (Some("recalled"), Some(""))
-            );
-        }
-        assert_ne!(last["content"], "oops, wrong chat");
+        assert_eq!(last["msg_id"], id.as_str(), "{c}");
+        assert_eq!(
+            (last["status"].as_str(), last["content"].as_str()),
+            (Some("recalled"), Some(""))
+        );
+        let listed = h.get("/v1/conversations").await.unwrap();
+        assert_eq!(
+            listed["conversations"][0]["last_message"]["msg_id"],
+            id.as_str(),
+            "{listed}"
+        );
     }
     // The versions read shows nothing of the original either.
     let v = bob
@@ -277,6 +284,28 @@ async fn edits_grow_the_version_and_keep_every_version() {
         assert!(ats.windows(2).all(|w| w[0] <= w[1]), "{ats:?}");
         assert_eq!(ats[0], m["created_at"].as_i64().unwrap());
     }
+    // The `edit` commands advance the chain but do not replace `last_message`: it stays the
+    // edited message, as it now reads (PROTOCOL-EXTENSIONS.md).
+    for h in [&alice, &bob] {
+        let c = h.get("/v1/conversations/111-222").await.unwrap();
+        assert_eq!(c["seq"], seq + 2, "{c}");
+        let last = &c["last_message"];
+        assert_eq!(
+            (
+                last["msg_id"].as_str(),
+                last["content"].as_str(),
+                last["version"].as_u64()
+            ),
+            (Some(id.as_str()), Some("v three"), Some(3)),
+            "{c}"
+        );
+        let listed = h.get("/v1/conversations").await.unwrap();
+        assert_eq!(
+            listed["conversations"][0]["last_message"]["msg_id"],
+            id.as_str(),
+            "{listed}"
+        );
+    }
     let audit = s
         .admin
         .get(&format!("/v1/admin/messages/{id}"))
@@ -315,6 +344,51 @@ async fn only_text_is_edited() {
     assert_eq!(code_of(edit(&alice, &text, "alice's").await), "forbidden");
     let conv = alice.get("/v1/conversations/111-222").await.unwrap();
     assert_eq!(conv["seq"], 2, "no edit command appended");
+}
+
+/// PROTOCOL.md 6: "Only the sender may edit" (PROTOCOL.md 1: `forbidden` for "a member
+/// editing another's message"). A group's owner and admins may recall any message, but not
+/// edit one: their edit of a member's message answers 403 `forbidden` and changes nothing.
+#[tokio::test]
+async fn a_group_owner_or_admin_editing_a_members_message_is_forbidden() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    let carol = s.user(333).await;
+    let gid = new_group_named(&alice, "g", &[222, 333]).await;
+    alice
+        .put(&format!("/v1/groups/{gid}/admins/222"), None)
+        .await
+        .unwrap();
+    let (id, seq) = send(&carol, text_to_conv("c1", &gid, "carol's words")).await;
+    for (h, who) in [(&alice, "the owner"), (&bob, "an admin")] {
+        let (status, body) = h
+            .raw(
+                reqwest::Method::PATCH,
+                &format!("/v1/messages/{id}"),
+                Some(&json!({"content": "not carol's"})),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (403, Some("forbidden")),
+            "{who}: {body}"
+        );
+    }
+    let m = at_seq(&carol, &gid, seq).await;
+    assert_eq!(
+        (m["version"].as_u64(), m["content"].as_str()),
+        (Some(1), Some("carol's words"))
+    );
+    assert_eq!(
+        newest_seq(&alice, &gid).await,
+        seq,
+        "no edit command appended"
+    );
+    // The sender still may.
+    let m = edit(&carol, &id, "carol's, edited").await.unwrap();
+    assert_eq!(m["version"], 2);
 }
 
 #[tokio::test]

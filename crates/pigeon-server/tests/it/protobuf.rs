@@ -489,3 +489,93 @@ async fn extra_nesting_is_bounded() {
     }
     assert_eq!(str_of(&level, "string_value"), "leaf");
 }
+
+/// PROTOCOL.md 5.2 over `pigeon.v1.proto`: a push of a read fan-out group's message leaves
+/// `user_seq` out (the optional field unset, as JSON leaves the key out), while a single
+/// chat's push carries it.
+#[tokio::test]
+async fn a_read_fanout_push_carries_no_user_seq_over_protobuf() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 2).await;
+    let owner = s.user(561).await;
+    let token = s.token(562).await;
+    let _ = s.user(563).await;
+    let group = new_group(&owner, &[562, 563]).await;
+    let (mut p, _) = ProtoClient::connect(&s, &token, "pb").await;
+    p.recv_kind("hello").await;
+    owner
+        .post("/v1/messages", &text_to_conv("rf", &group, "to many"))
+        .await
+        .unwrap();
+    let msg = member(&p.recv_kind("msg").await, "msg");
+    let m = member(&msg, "message");
+    assert_eq!(str_of(&m, "conversation_id"), group);
+    assert_eq!(str_of(&m, "content"), "to many");
+    assert!(
+        !msg.has_field_by_name("user_seq"),
+        "a read fan-out push has no user_seq: {msg:?}"
+    );
+    owner
+        .post("/v1/messages", &text_to_user("single", 562, "just you"))
+        .await
+        .unwrap();
+    let msg = member(&p.recv_kind("msg").await, "msg");
+    assert_eq!(str_of(&member(&msg, "message"), "content"), "just you");
+    assert!(msg.has_field_by_name("user_seq"), "{msg:?}");
+    assert_eq!(u64_of(&msg, "user_seq"), 1);
+}
+
+/// PROTOCOL.md 3 over `pigeon.v1.proto`: a logout's `kicked` (reason `token_revoked`) comes
+/// as a protobuf frame, and then the connection is closed with 1008 (PROTOCOL-EXTENSIONS.md).
+#[tokio::test]
+async fn a_logout_kicks_a_protobuf_connection_and_closes_it_with_1008() {
+    let s = spawn_server().await;
+    let token = s.token(571).await;
+    let (mut p, _) = ProtoClient::connect(&s, &token, "pb").await;
+    p.recv_kind("hello").await;
+    s.admin
+        .post("/v1/admin/users/571/logout", &json!({}))
+        .await
+        .unwrap();
+    let kicked = member(&p.recv_kind("kicked").await, "kicked");
+    assert_eq!(str_of(&kicked, "reason"), "token_revoked");
+    let close = loop {
+        let frame = tokio::time::timeout(WAIT, p.ws.next())
+            .await
+            .expect("closed in time");
+        match frame {
+            Some(Ok(Ws::Close(c))) => break c.map(|c| u16::from(c.code)),
+            Some(Ok(Ws::Ping(_) | Ws::Pong(_))) => continue,
+            other => panic!("a close frame after kicked, not {other:?}"),
+        }
+    };
+    assert_eq!(close, Some(1008));
+}
+
+/// Over `pigeon.v1.proto`: a frame with no reply of its own (here `ack`) that carries a `req`
+/// is answered `Ok` with that `req` (PROTOCOL-EXTENSIONS.md), and the `ack` moves the device's
+/// cursor (PROTOCOL.md 5.2): a `sync` without `user_seq` then starts from it ("Omitted numbers
+/// mean from my device's server-side cursor", PROTOCOL.md 5.3).
+#[tokio::test]
+async fn an_ack_with_req_is_answered_ok_and_a_sync_without_user_seq_starts_from_it() {
+    let s = spawn_server().await;
+    let token = s.token(581).await;
+    let peer = s.user(582).await;
+    post_texts(&peer, "pb-ack-", 581, 3, "x").await;
+    let (mut p, _) = ProtoClient::connect(&s, &token, "pb").await;
+    p.recv_kind("hello").await;
+    let mut ack = p.body("ack");
+    ack.set_field_by_name("user_seq", PValue::U64(2));
+    p.send(p.frame(Some(5), "ack", ack)).await;
+    let ok = p.recv_kind("ok").await;
+    assert_eq!(ok.get_field_by_name("req").unwrap().as_i64(), Some(5));
+    // No user_seq: the device's cursor, 2, is used.
+    p.send(p.frame(Some(6), "sync", p.body("sync"))).await;
+    let synced = p.recv_kind("sync_result").await;
+    assert_eq!(synced.get_field_by_name("req").unwrap().as_i64(), Some(6));
+    let r = member(&synced, "sync_result");
+    assert_eq!(
+        (u64_of(&r, "cursor"), u64_of(&r, "user_seq")),
+        (2, 3),
+        "{r:?}"
+    );
+}

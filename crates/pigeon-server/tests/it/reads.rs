@@ -482,6 +482,50 @@ async fn pinned_conversations_come_first() {
     assert!(rest["next_cursor"].is_null());
 }
 
+/// PROTOCOL.md 6: "The list is ordered pinned first, then by newest activity", among the
+/// pinned conversations too: with two pinned and one not, a message in the older pinned one
+/// moves it ahead of the other pinned one, never behind an unpinned one, and a message in
+/// the unpinned one keeps it behind both. The pages of `?limit=1` agree with the list.
+#[tokio::test]
+async fn two_pinned_conversations_are_ordered_by_activity_ahead_of_the_rest() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    for peer in [222u64, 333, 444] {
+        let _ = s.user(peer).await;
+        send_n(&alice, peer, &format!("t{peer}-"), 1).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The two oldest are pinned (the older first, so either reading of "activity", message
+    // or setting, gives the same order).
+    settings(&alice, "111-222", json!({"pinned": true})).await;
+    settings(&alice, "111-333", json!({"pinned": true})).await;
+    assert_eq!(listed(&alice).await, vec!["111-333", "111-222", "111-444"]);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let bob = s.user(222).await;
+    send_n(&bob, 111, "pinned-again", 1).await;
+    assert_eq!(
+        listed(&alice).await,
+        vec!["111-222", "111-333", "111-444"],
+        "the older pinned one, now the newest, leads"
+    );
+    assert_eq!(
+        walk_single_pages(&alice, 5).await,
+        vec![
+            ("111-222".to_owned(), true),
+            ("111-333".to_owned(), true),
+            ("111-444".to_owned(), false),
+        ]
+    );
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let dave = s.user(444).await;
+    send_n(&dave, 111, "unpinned", 1).await;
+    assert_eq!(
+        listed(&alice).await,
+        vec!["111-222", "111-333", "111-444"],
+        "the newest activity of all, unpinned: still behind the pinned ones"
+    );
+}
+
 #[tokio::test]
 async fn hidden_conversations_return_with_a_new_message() {
     let s = spawn_server().await;
@@ -514,6 +558,71 @@ async fn hidden_conversations_return_with_a_new_message() {
         .await,
     );
     assert!(code == "not_member" || code == "not_found", "{code}");
+}
+
+/// PROTOCOL.md 6: "`hidden` ones are left out until a new message arrives", whoever writes
+/// it: the user's own send brings a hidden single chat back, and a command message (a group
+/// change by another member) brings a hidden group back.
+#[tokio::test]
+async fn hidden_conversations_return_with_the_users_own_send_and_with_a_command() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let _bob = s.user(222).await;
+    let carol = s.user(333).await;
+    send_n(&alice, 222, "own", 1).await;
+    let g = new_group_named(&carol, "before", &[111]).await;
+    assert_eq!(listed(&alice).await.len(), 2);
+    settings(&alice, "111-222", json!({"hidden": true})).await;
+    settings(&alice, &g, json!({"hidden": true})).await;
+    assert_eq!(listed(&alice).await, Vec::<String>::new());
+    send_n(&alice, 222, "own-again", 1).await;
+    assert_eq!(
+        listed(&alice).await,
+        vec!["111-222"],
+        "back with her own send"
+    );
+    carol
+        .patch(&format!("/v1/groups/{g}"), &json!({"name": "after"}))
+        .await
+        .unwrap();
+    assert_eq!(
+        listed(&alice).await,
+        vec![g.clone(), "111-222".to_owned()],
+        "back with the group_updated command"
+    );
+}
+
+/// PROTOCOL.md 6: `GET .../receipts` answers `{"read":[uids],"unread":[uids]}` "(the sender
+/// excluded)", in a single chat too: the sender is in neither list, only the peer is, unread
+/// until they read and read after.
+#[tokio::test]
+async fn receipts_in_a_single_chat_list_only_the_peer() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let bob = s.user(222).await;
+    let ack = alice
+        .post("/v1/messages", &text_to_user("r1", 222, "seen?"))
+        .await
+        .unwrap();
+    let seq = ack["seq"].as_u64().unwrap();
+    let path = format!("/v1/conversations/111-222/receipts?seq={seq}");
+    for h in [&alice, &bob] {
+        let r = h.get(&path).await.unwrap();
+        assert_eq!(
+            (sorted_ids(&r["read"]), sorted_ids(&r["unread"])),
+            (vec![], vec![222]),
+            "{r}"
+        );
+    }
+    read(&bob, "111-222", seq).await;
+    for h in [&alice, &bob] {
+        let r = h.get(&path).await.unwrap();
+        assert_eq!(
+            (sorted_ids(&r["read"]), sorted_ids(&r["unread"])),
+            (vec![222], vec![]),
+            "{r}"
+        );
+    }
 }
 
 #[tokio::test]
