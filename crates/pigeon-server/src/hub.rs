@@ -370,8 +370,10 @@ impl Hub {
     }
 
     /// Ends every open connection of `user` after a logout: `kicked`, then the close
-    /// (1008). Once per connection: a second call passes those already ended.
+    /// (1008). Once per connection: a second call passes those already ended. Their long
+    /// polls are woken, to find their token revoked.
     pub fn revoke(&self, user: UserId) {
+        self.wake(user, false);
         let frame: Utf8Bytes = ServerFrame::Kicked {
             reason: "token_revoked".into(),
         }

@@ -1,7 +1,7 @@
 //! Conversations over HTTP: the list, one conversation, history pages, read marks, receipts,
 //! settings, unread counts, and the long-polling pull-mode sync.
 
-use super::{ApiJson, ApiPath, ApiQuery, AuthUser, WritingUser, run_then_view};
+use super::{ApiJson, ApiPath, ApiQuery, AuthSession, AuthUser, WritingUser, run_then_view};
 use crate::app::{AppRef, PULL_DEFAULT, PULL_MAX, page_limit, parse_conversation};
 use crate::error::{ApiError, ApiResult};
 use axum::Json;
@@ -296,10 +296,11 @@ const MAX_LONG_POLLS_PER_USER: usize = 8;
 const HTTP_DEVICE: &str = "http";
 
 pub async fn sync(
-    AuthUser(me): AuthUser,
+    session: AuthSession,
     State(app): State<AppRef>,
     ApiQuery(q): ApiQuery<SyncParams>,
 ) -> ApiResult<Json<Value>> {
+    let me = session.user;
     let wait_ms = q.wait_ms.unwrap_or(0);
     if wait_ms > WAIT_MAX_MS {
         return Err(ApiError::invalid(format!(
@@ -328,10 +329,16 @@ pub async fn sync(
     let mut shutdown = app.shutdown.subscribe();
     let result = async {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+        let mut waited = false;
         loop {
             let notified = waiter.notify().notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            if waited {
+                // A logout while the poll waited ends it (and wakes it): nothing that came
+                // after goes to the revoked token.
+                session.still_valid(&app).await?;
+            }
             let head = app.store.inbox_head(me).await?;
             if head > after
                 || waiter.group_message_arrived()
@@ -364,6 +371,7 @@ pub async fn sync(
                 _ = notified => {}
                 _ = shutdown.wait_for(|s| *s) => {}
             }
+            waited = true;
         }
     }
     .await;

@@ -128,13 +128,41 @@ impl FromRequestParts<AppRef> for AuthUser {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
+        let AuthSession { user, .. } = AuthSession::from_request_parts(parts, app).await?;
+        Ok(AuthUser(user))
+    }
+}
+
+/// The authenticated user of a request that may wait (a long poll), with its token: a
+/// logout while it waits must end it, since revoked tokens "stop working at once"
+/// (PROTOCOL.md 3), and a waiting poll is as open as a connection.
+pub struct AuthSession {
+    pub user: UserId,
+    token: String,
+}
+
+impl AuthSession {
+    /// `unauthorized` once the token was revoked (or expired) since the request came.
+    pub async fn still_valid(&self, app: &AppRef) -> Result<(), ApiError> {
+        app.authenticate(&self.token).await.map(|_| ())
+    }
+}
+
+impl FromRequestParts<AppRef> for AuthSession {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
         let token = parts
             .headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(bearer)
             .ok_or_else(ApiError::unauthorized)?;
-        app.authenticate(token).await.map(AuthUser)
+        let user = app.authenticate(token).await?;
+        Ok(AuthSession {
+            user,
+            token: token.to_owned(),
+        })
     }
 }
 

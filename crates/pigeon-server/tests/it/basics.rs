@@ -252,6 +252,42 @@ async fn a_send_right_after_the_logout_answer_is_not_taken() {
     );
 }
 
+/// PROTOCOL.md 3: revoked tokens "stop working at once". A `GET /v1/sync` long poll that
+/// waits when its user is logged out is ended by the logout with `401 unauthorized`, and
+/// what is sent to the user afterwards does not go to it.
+#[tokio::test]
+async fn a_long_poll_waiting_at_a_logout_ends_unauthorized() {
+    let s = spawn_server().await;
+    let alice = s.user(171).await;
+    let bob = s.user(172).await;
+    let waiting = tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let r = bob.get("/v1/sync?user_seq=0&wait_ms=20000").await;
+        (r, started.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.admin
+        .post("/v1/admin/users/172/logout", &json!({}))
+        .await
+        .unwrap();
+    alice
+        .post(
+            "/v1/messages",
+            &text_to_user("after-logout", 172, "not for a revoked token"),
+        )
+        .await
+        .unwrap();
+    let (r, waited) = tokio::time::timeout(Duration::from_secs(15), waiting)
+        .await
+        .expect("the poll ended before its wait_ms")
+        .unwrap();
+    assert_eq!(code_of(r), "unauthorized");
+    assert!(
+        waited < Duration::from_secs(15),
+        "ended by the logout, not by wait_ms: {waited:?}"
+    );
+}
+
 /// PROTOCOL.md 3 and 5: revoked tokens "stop working at once, and that user's open
 /// connections receive `kicked` and are closed".
 #[tokio::test]
