@@ -566,22 +566,6 @@ async fn every_write_shares_the_send_rate_limit() {
     }
 }
 
-/// Calls `method path` as `h`; answers the HTTP status with the body's `code`, so a test
-/// pins both halves of a row of the error table at once.
-async fn status_and_code(
-    h: &Http,
-    method: reqwest::Method,
-    path: &str,
-    body: Option<&Value>,
-) -> (u16, String) {
-    let (status, body) = h.raw(method, path, body).await.expect("an answer");
-    assert!(body["message"].is_string(), "{status}: {body}");
-    (
-        status,
-        body["code"].as_str().unwrap_or("no code").to_owned(),
-    )
-}
-
 /// The error table of PROTOCOL.md 1: "`forbidden` | 403 | authenticated but not allowed",
 /// "`not_member` | 403 | the caller is not a member of that conversation", "`muted` | 403 |
 /// the caller is muted in that group" and "`conflict` | 409 | the request contradicts state

@@ -223,6 +223,22 @@ pub fn code_of<T: std::fmt::Debug>(r: Result<T, pigeon_client::ClientError>) -> 
     }
 }
 
+/// Calls `method path` as `h`; answers the HTTP status with the body's `code`, so a test
+/// pins both halves of a row of the error table at once.
+pub async fn status_and_code(
+    h: &Http,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<&Value>,
+) -> (u16, String) {
+    let (status, body) = h.raw(method, path, body).await.expect("an answer");
+    assert!(body["message"].is_string(), "{status}: {body}");
+    (
+        status,
+        body["code"].as_str().unwrap_or("no code").to_owned(),
+    )
+}
+
 /// The `send` frame carrying an HTTP send body.
 pub fn send_frame(mut body: Value) -> Value {
     body["type"] = json!("send");
