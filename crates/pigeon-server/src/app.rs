@@ -141,13 +141,7 @@ impl App {
         conv: &ConversationId,
         from: Option<u64>,
     ) -> ApiResult<(u64, u64)> {
-        let m = self.membership(user, conv).await?;
-        if let (Some(left), Some(from)) = (m.left_seq, from)
-            && from > left
-        {
-            return Err(ApiError::not_member());
-        }
-        Ok(visible_range(m.joined_seq, m.left_seq, m.conversation_seq))
+        readable_range_of(&self.membership(user, conv).await?, from)
     }
 
     pub async fn history(
@@ -243,13 +237,17 @@ impl App {
                     .conversation_id
                     .as_ref()
                     .ok_or_else(|| ApiError::invalid("chain conversation needs conversation_id"))?;
-                let (lo, hi) = self.readable_range(user, conv, f.from).await?;
+                let m = self.membership(user, conv).await?;
+                let (lo, hi) = readable_range_of(&m, f.from)?;
                 let from = match f.from {
                     Some(v) => v,
-                    None => self
-                        .store
-                        .cursor(user, device.as_str(), conv.as_str())
-                        .await?
+                    // Where `sync` says this device is in the group.
+                    None => m
+                        .chain_position(
+                            self.store
+                                .cursor(user, device.as_str(), conv.as_str())
+                                .await?,
+                        )
                         .saturating_add(1),
                 };
                 let to = f.to.unwrap_or(hi).min(hi);
@@ -315,4 +313,15 @@ impl App {
 /// Parses a conversation id from a path or field, as `invalid_argument` when malformed.
 pub fn parse_conversation(s: &str) -> ApiResult<ConversationId> {
     ConversationId::parse(s).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.0))
+}
+
+/// The seqs of a conversation its member (current or former) may read, for a request
+/// starting at `from`; `not_member` for one that starts past a former member's removal.
+fn readable_range_of(m: &Membership, from: Option<u64>) -> ApiResult<(u64, u64)> {
+    if let (Some(left), Some(from)) = (m.left_seq, from)
+        && from > left
+    {
+        return Err(ApiError::not_member());
+    }
+    Ok(visible_range(m.joined_seq, m.left_seq, m.conversation_seq))
 }

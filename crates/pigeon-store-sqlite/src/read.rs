@@ -4,7 +4,7 @@
 use crate::rows::{self, MESSAGE_COLUMN_COUNT, MESSAGE_COLUMNS};
 use pigeon_core::store::{
     AuditedMessage, HistoryAnchor, HistoryQuery, KeyCursor, KeyPage, ListCursor, Membership,
-    UserRecord,
+    UserRecord, chain_position,
 };
 use pigeon_proto::frames::SyncConversation;
 use pigeon_proto::views::{
@@ -43,7 +43,7 @@ pub fn membership(
     user: UserId,
 ) -> rusqlite::Result<Option<Membership>> {
     c.prepare_cached(
-        "SELECT mb.role, mb.joined_seq, mb.left_seq, mb.last_read_seq, c.seq, c.fanout FROM members mb \
+        "SELECT mb.role, mb.joined_seq, mb.left_seq, mb.last_read_seq, c.seq, c.fanout, c.read_fanout_since FROM members mb \
          JOIN conversations c ON c.conversation_id = mb.conversation_id WHERE mb.conversation_id = ?1 AND mb.user_id = ?2",
     )?
     .query_row(params![conv.as_str(), user.get() as i64], |r| {
@@ -54,6 +54,7 @@ pub fn membership(
             last_read_seq: r.get::<_, i64>(3)? as u64,
             conversation_seq: r.get::<_, i64>(4)? as u64,
             is_read_fanout: r.get::<_, String>(5)? == "read",
+            read_fanout_since: r.get::<_, Option<i64>>(6)?.map(|s| s as u64),
         })
     })
     .optional()
@@ -486,14 +487,9 @@ pub fn read_fanout_changes(
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let mut out = Vec::new();
     for (id, newest, last_msg_id, joined_seq, last_read, read_since, left_seq) in groups {
-        // Without a given position: the device's cursor, but no lower than where the member
-        // joined, nor than where the group first used read fan-out (what came before reached
-        // them through their inbox).
         let position = match given.get(&id) {
             Some(p) => *p,
-            None => cursor(c, user, device, &id)?
-                .max(joined_seq.saturating_sub(1))
-                .max(read_since.saturating_sub(1)),
+            None => chain_position(cursor(c, user, device, &id)?, joined_seq, Some(read_since)),
         };
         // A former member's chain ends at the removal.
         let seq = left_seq.unwrap_or(newest);

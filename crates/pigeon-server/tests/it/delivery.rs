@@ -181,6 +181,75 @@ async fn crossing_the_fanout_threshold_both_ways_loses_and_repeats_nothing() {
     );
 }
 
+/// PROTOCOL.md 5.3: `cursor` is "the position the server used (given or stored)", and
+/// `pull`'s `from` "defaults to the device's cursor + 1". In a group that turned to read
+/// fan-out after some messages (which reached the members' inboxes), a device that gives
+/// no position is where `sync` says: just before the first read fan-out message, and a
+/// `pull` without `from` starts right after that `cursor` (it started at 1).
+#[tokio::test]
+async fn sync_and_pull_agree_on_a_position_in_a_group_that_turned_to_read_fanout() {
+    let s = spawn_with(|c| c.fanout_write_max_members = 3).await;
+    let owner = s.user(1).await;
+    let t2 = s.token(2).await;
+    for u in 3..=4 {
+        let _ = s.user(u).await;
+    }
+    // seq 1 group_created, 2 and 3 by inbox, 4 the invitation that makes it read fan-out.
+    let g = new_group(&owner, &[2, 3]).await;
+    for n in 1..=2 {
+        owner
+            .post("/v1/messages", &text_to_conv(&format!("w{n}"), &g, "write"))
+            .await
+            .unwrap();
+    }
+    invite(&owner, &g, &[4]).await.unwrap();
+    owner
+        .post("/v1/messages", &text_to_conv("r1", &g, "read"))
+        .await
+        .unwrap();
+    for (round, device) in ["fresh", "another"].into_iter().enumerate() {
+        let mut ws = s.ws(&t2, device).await;
+        let r = request(&mut ws, json!({"type": "sync"}), 1).await;
+        let listed = r["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["conversation_id"] == g.as_str())
+            .unwrap_or_else(|| panic!("the group is listed: {r}"))
+            .clone();
+        assert_eq!(
+            (listed["seq"].as_u64(), listed["cursor"].as_u64()),
+            (Some(5), Some(3)),
+            "{device}: {listed}"
+        );
+        let p = request(
+            &mut ws,
+            json!({"type": "pull", "chain": "conversation", "conversation_id": g}),
+            2,
+        )
+        .await;
+        let pulled: Vec<u64> = p["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["seq"].as_u64().unwrap())
+            .collect();
+        assert_eq!(pulled, vec![4, 5], "{device}: from the cursor sync gave");
+        if round == 0 {
+            // What came before reached the inbox.
+            let p = request(&mut ws, json!({"type": "pull", "chain": "user"}), 3).await;
+            let inbox: Vec<u64> = p["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|i| i["message"]["conversation_id"] == g.as_str())
+                .map(|i| i["message"]["seq"].as_u64().unwrap())
+                .collect();
+            assert_eq!(inbox, vec![1, 2, 3]);
+        }
+    }
+}
+
 #[tokio::test]
 async fn unacknowledged_pushes_are_resent_and_acknowledged_ones_are_not() {
     let s = spawn_with(|c| c.push_retry_ms = 150).await;
