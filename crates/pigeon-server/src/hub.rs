@@ -191,6 +191,10 @@ struct ReceiptPace {
     /// When one last went out (none yet: only held ones): the next waits for a flush unless
     /// this is [`RECEIPT_FLUSH_EVERY`] ago.
     sent_at: Option<std::time::Instant>,
+    /// The newest position that went out: an older one that comes after it (the large
+    /// group's delivery task and the single chats' both publish while a conversation
+    /// moves to the bulk tier) is dropped, so the others never see a read mark go back.
+    sent_seq: u64,
     /// The newest held back: its position, who to tell, and the device not to tell.
     held: Option<HeldReceipt>,
 }
@@ -479,12 +483,15 @@ impl Hub {
                         .entry((conversation.clone(), user))
                         .or_insert(ReceiptPace {
                             sent_at: None,
+                            sent_seq: 0,
                             held: None,
                         });
                     let paced_now = pace
                         .sent_at
                         .is_some_and(|at| now - at < RECEIPT_FLUSH_EVERY);
-                    if pace.held.is_some() || paced_now {
+                    if last_read_seq <= pace.sent_seq {
+                        // Behind what the others were told already.
+                    } else if pace.held.is_some() || paced_now {
                         let newest = pace
                             .held
                             .as_ref()
@@ -496,6 +503,7 @@ impl Hub {
                         });
                     } else {
                         pace.sent_at = Some(now);
+                        pace.sent_seq = last_read_seq;
                         drop(paced);
                         self.send_receipt(
                             conversation,
@@ -552,8 +560,9 @@ impl Hub {
         self.receipts.lock().expect("receipts lock").retain(
             |(conversation, user), pace| match pace.held.take() {
                 Some(h) => {
-                    held.push((conversation.clone(), *user, h));
                     pace.sent_at = Some(now);
+                    pace.sent_seq = h.last_read_seq;
+                    held.push((conversation.clone(), *user, h));
                     true
                 }
                 None => pace
@@ -754,6 +763,41 @@ mod tests {
         }
         assert_eq!(capacity(&outbox), 0);
         assert_eq!(outbox.kill_reason(), None, "not counted as a slow reader");
+    }
+
+    /// PROTOCOL.md 5.4's receipts carry a read mark, which only moves forward: one that
+    /// reaches the hub after a newer one of the same reader (two delivery tasks publish
+    /// while a conversation moves to the bulk tier) is not sent, at once or at the flush.
+    #[test]
+    fn a_receipt_older_than_one_sent_is_dropped() {
+        let hub = Arc::new(Hub::default());
+        let (reader_user, peer) = (UserId::new(1).unwrap(), UserId::new(2).unwrap());
+        let (outbox, mut peer_reader) = Outbox::new();
+        let _registered = hub.register(peer, DeviceId::parse("phone").unwrap(), outbox);
+        let conversation = ConversationId::parse("g1").unwrap();
+        let receipt = |seq: u64| Event::Receipt {
+            conversation: conversation.clone(),
+            user: reader_user,
+            last_read_seq: seq,
+            to: vec![peer],
+            except_device: None,
+        };
+        let seqs_told = |r: &mut OutboxReader| {
+            let mut seqs = Vec::new();
+            while let Some(out) = r.try_recv() {
+                let v: serde_json::Value = serde_json::from_str(&text(out)).unwrap();
+                assert_eq!(v["type"], "receipt", "{v}");
+                seqs.push(v["last_read_seq"].as_u64().unwrap());
+            }
+            seqs
+        };
+        hub.publish(vec![receipt(6), receipt(5)]);
+        hub.flush_receipts();
+        assert_eq!(seqs_told(&mut peer_reader), vec![6]);
+        // A newer one is paced as before, and goes at the flush.
+        hub.publish(vec![receipt(7), receipt(6)]);
+        hub.flush_receipts();
+        assert_eq!(seqs_told(&mut peer_reader), vec![7]);
     }
 
     #[tokio::test]
