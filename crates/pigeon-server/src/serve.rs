@@ -13,6 +13,7 @@ use axum::Router;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,6 +31,9 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// The most a connection buffers of a request head (hyper's default is ~400 KiB): Pigeon's
 /// heads are small, and slow heads should not each hold that much.
 const MAX_HEAD_BUFFER: usize = 64 * 1024;
+/// The least time a connection's socket may refuse every byte written to it before the
+/// connection is dropped (see [`write_stall_limit`]).
+const MIN_WRITE_STALL: Duration = Duration::from_secs(30);
 /// How often a server whose connection places are all taken says so in its log.
 const FULL_WARNING_EVERY: Duration = Duration::from_secs(60);
 /// The most connections accepted at once while every place is taken, only to be refused:
@@ -43,6 +47,15 @@ const REFUSAL_HEAD_TIMEOUT: Duration = Duration::from_secs(2);
 /// reserve) keeps its few spare descriptors.
 pub fn refusing_at_once(max_open: usize) -> usize {
     (max_open / 64).clamp(1, MAX_REFUSING_AT_ONCE)
+}
+
+/// How long a connection's socket may take no byte of a write before the connection is
+/// dropped: a client that asks for a large answer (a range of 200 messages of 64 KiB is
+/// ~13 MB) and never reads it would otherwise hold the answer in memory for ever. At least
+/// [`MIN_WRITE_STALL`], and longer than a WebSocket's own limit (`heartbeat_ms` twice), so
+/// that a stalled WebSocket is closed as too slow (1013) by its own task first.
+pub fn write_stall_limit(heartbeat: Duration) -> Duration {
+    MIN_WRITE_STALL.max(heartbeat.saturating_mul(2) + Duration::from_secs(5))
 }
 
 /// What an accepted connection's place lets it have.
@@ -60,6 +73,7 @@ pub async fn serve(
     listener: TcpListener,
     router: Router,
     max_open: usize,
+    write_stall: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
     // Every connection task holds a receiver: once all are dropped, all have closed.
@@ -122,7 +136,8 @@ pub async fn serve(
                 // A place came free while the accept waited: serve, not refuse.
                 Ok(place) => place,
                 Err(_) => {
-                    tokio::spawn(refuse(Placed::refused(tcp, refusal_place), refusal.clone()));
+                    let socket = Placed::refused(tcp, refusal_place, write_stall);
+                    tokio::spawn(refuse(socket, refusal.clone()));
                     continue;
                 }
             },
@@ -136,7 +151,10 @@ pub async fn serve(
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .max_buf_size(MAX_HEAD_BUFFER);
             let conn = builder
-                .serve_connection(TokioIo::new(Placed::served(tcp, place)), service)
+                .serve_connection(
+                    TokioIo::new(Placed::served(tcp, place, write_stall)),
+                    service,
+                )
                 .with_upgrades();
             tokio::pin!(conn);
             let mut stopping = false;
@@ -190,29 +208,64 @@ async fn refuse(socket: Placed, refusal: Router) {
 /// the socket closes, also when a WebSocket upgrade has taken the socket over. Those
 /// served are counted in `pigeon_tcp_connections`, so an operator sees the bound coming
 /// (refusals in `pigeon_connections_refused_total`).
+///
+/// A write the socket takes no byte of for `write_stall` fails (`TimedOut`), which ends
+/// the connection and frees what it was writing.
 struct Placed {
     tcp: TcpStream,
     _place: OwnedSemaphorePermit,
     served: bool,
+    write_stall: Duration,
+    /// Armed while a write waits for the socket (boxed: an idle connection keeps 8 bytes).
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Placed {
-    fn served(tcp: TcpStream, place: OwnedSemaphorePermit) -> Placed {
+    fn served(tcp: TcpStream, place: OwnedSemaphorePermit, write_stall: Duration) -> Placed {
         metrics::gauge!("pigeon_tcp_connections").increment(1.0);
         Placed {
             tcp,
             _place: place,
             served: true,
+            write_stall,
+            stalled: None,
         }
     }
 
-    fn refused(tcp: TcpStream, place: OwnedSemaphorePermit) -> Placed {
+    fn refused(tcp: TcpStream, place: OwnedSemaphorePermit, write_stall: Duration) -> Placed {
         metrics::counter!("pigeon_connections_refused_total").increment(1);
         Placed {
             tcp,
             _place: place,
             served: false,
+            write_stall,
+            stalled: None,
         }
+    }
+
+    /// `write`'s outcome, unless the socket has taken nothing for `write_stall`: then an
+    /// error. Any progress starts the wait over.
+    fn within_stall<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        write: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if write.is_ready() {
+            self.stalled = None;
+            return write;
+        }
+        let limit = self.write_stall;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if timer.as_mut().poll(cx).is_ready() {
+            self.stalled = None;
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took nothing written to it for too long",
+            )));
+        }
+        Poll::Pending
     }
 }
 
@@ -240,7 +293,9 @@ impl AsyncWrite for Placed {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+        let this = self.get_mut();
+        let write = Pin::new(&mut this.tcp).poll_write(cx, buf);
+        this.within_stall(cx, write)
     }
 
     fn poll_write_vectored(
@@ -248,7 +303,9 @@ impl AsyncWrite for Placed {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let write = Pin::new(&mut this.tcp).poll_write_vectored(cx, bufs);
+        this.within_stall(cx, write)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -271,4 +328,73 @@ fn is_connection_error(e: &io::Error) -> bool {
         e.kind(),
         ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A served socket and the client's end of it.
+    async fn pair(write_stall: Duration) -> (Placed, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (tcp, _) = listener.accept().await.unwrap();
+        let place = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        (Placed::served(tcp, place, write_stall), client)
+    }
+
+    /// A client that reads nothing cannot hold what is written to it for ever: once the
+    /// socket takes no byte for the stall limit, the write fails and the connection ends.
+    #[tokio::test]
+    async fn a_write_the_client_never_reads_fails_after_the_stall_limit() {
+        let (mut server, _client) = pair(Duration::from_millis(300)).await;
+        let chunk = vec![b'x'; 64 * 1024];
+        let ended = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                if let Err(e) = server.write_all(&chunk).await {
+                    return e;
+                }
+            }
+        })
+        .await
+        .expect("the write fails rather than wait for ever");
+        assert_eq!(ended.kind(), io::ErrorKind::TimedOut);
+    }
+
+    /// A client that keeps reading is never cut off, though the whole answer takes longer
+    /// than the limit: each time the socket takes more, the wait starts over. (The socket
+    /// wakes its writer only once a good part of its buffer is free, so a reader is cut
+    /// off only when that part takes longer than the limit to drain: at the real limit,
+    /// 30 s or more, a few tens of KB a second on loopback's largest buffers.)
+    #[tokio::test]
+    async fn a_reading_client_is_not_cut_off() {
+        let (mut server, mut client) = pair(Duration::from_secs(2)).await;
+        const TOTAL: usize = 48 << 20;
+        let reader = tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut total = 0;
+            while total < TOTAL {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                match client.read(&mut buf).await.unwrap() {
+                    0 => break,
+                    n => total += n,
+                }
+            }
+            total
+        });
+        let chunk = vec![b'x'; 64 * 1024];
+        let started = Instant::now();
+        for _ in 0..TOTAL / chunk.len() {
+            server.write_all(&chunk).await.expect("a reading client");
+        }
+        assert_eq!(reader.await.unwrap(), TOTAL);
+        assert!(
+            started.elapsed() > Duration::from_secs(2),
+            "the answer outlasted the limit, so the limit was started over: {:?}",
+            started.elapsed()
+        );
+    }
 }

@@ -177,10 +177,13 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
              with that many connections, commits may fail for want of a file descriptor"
         );
     }
+    let write_stall =
+        crate::serve::write_stall_limit(std::time::Duration::from_millis(app.cfg.heartbeat_ms));
     let serve = tokio::spawn(crate::serve::serve(
         listener,
         router,
         max_open,
+        write_stall,
         app.shutdown.subscribe(),
     ));
     tracing::info!(%addr, max_open_connections = max_open, "pigeon is listening");

@@ -95,7 +95,8 @@ pub fn router(app: AppRef) -> Router {
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         // A body must come within as long as a head may (`serve::HEADER_READ_TIMEOUT`): a
-        // client cannot hold a handler with a half-sent body either.
+        // client cannot hold a handler with a half-sent body either. This bounds each wait
+        // for more of it; `ApiJson` bounds the whole body (a byte a second never stalls).
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
             crate::serve::HEADER_READ_TIMEOUT,
         ))
@@ -210,16 +211,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let body = match axum::body::Bytes::from_request(req, state).await {
-            Ok(b) => b,
-            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                return Err(ApiError::new(
-                    ErrorCode::PayloadTooLarge,
-                    "request body too large",
-                ));
-            }
-            Err(e) => return Err(ApiError::invalid(e.body_text())),
-        };
+        let body = body_within(req, state, crate::serve::HEADER_READ_TIMEOUT).await?;
         match serde_json::from_slice::<serde_json::Value>(&body) {
             Ok(v) if !v.is_object() => Err(ApiError::invalid("the body must be a JSON object")),
             Ok(v) => serde_json::from_value(v)
@@ -227,6 +219,31 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
                 .map_err(|e| ApiError::invalid(format!("bad body: {e}"))),
             Err(e) => Err(ApiError::invalid(format!("the body is not JSON: {e}"))),
         }
+    }
+}
+
+/// A request's whole body, if it arrives within `limit` of now (right after its head): a
+/// body dribbled a byte at a time would otherwise hold the handler, its connection and its
+/// buffer for as long as the client likes (the body timeout layer bounds only each wait).
+async fn body_within<S: Send + Sync>(
+    req: Request,
+    state: &S,
+    limit: std::time::Duration,
+) -> Result<axum::body::Bytes, ApiError> {
+    let read = axum::body::Bytes::from_request(req, state);
+    let Ok(read) = tokio::time::timeout(limit, read).await else {
+        return Err(ApiError::invalid(format!(
+            "the request body did not arrive within {} s",
+            limit.as_secs_f64()
+        )));
+    };
+    match read {
+        Ok(b) => Ok(b),
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            "request body too large",
+        )),
+        Err(e) => Err(ApiError::invalid(e.body_text())),
     }
 }
 
@@ -314,6 +331,39 @@ pub async fn run_then_view(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A body that keeps coming, a byte at a time, is cut off at the limit as a whole, not
+    /// waited for as long as each byte comes in time.
+    #[tokio::test]
+    async fn a_dribbled_body_is_refused_at_its_deadline() {
+        let dribble = futures_util::stream::unfold(0u32, |n| async move {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            Some((
+                Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b" ")),
+                n + 1,
+            ))
+        });
+        let req = Request::builder()
+            .body(axum::body::Body::from_stream(dribble))
+            .unwrap();
+        let started = std::time::Instant::now();
+        let err = body_within(req, &(), std::time::Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ErrorCode::InvalidArgument);
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        let whole = Request::builder()
+            .body(axum::body::Body::from("{}"))
+            .unwrap();
+        let body = body_within(whole, &(), std::time::Duration::from_millis(300))
+            .await
+            .unwrap();
+        assert_eq!(&body[..], b"{}");
+    }
 
     /// A panicking handler answers 500 with `{"code":"internal"}` and nothing of the panic.
     #[tokio::test]
