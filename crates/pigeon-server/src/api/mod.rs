@@ -216,8 +216,8 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
             Ok(v) if !v.is_object() => Err(ApiError::invalid("the body must be a JSON object")),
             Ok(v) => serde_json::from_value(v)
                 .map(ApiJson)
-                .map_err(|e| ApiError::invalid(format!("bad body: {e}"))),
-            Err(e) => Err(ApiError::invalid(format!("the body is not JSON: {e}"))),
+                .map_err(|e| ApiError::unparsable("bad body", &e.to_string())),
+            Err(e) => Err(ApiError::unparsable("the body is not JSON", &e.to_string())),
         }
     }
 }
@@ -243,7 +243,7 @@ async fn body_within<S: Send + Sync>(
             ErrorCode::PayloadTooLarge,
             "request body too large",
         )),
-        Err(e) => Err(ApiError::invalid(e.body_text())),
+        Err(e) => Err(ApiError::unparsable("bad body", &e.body_text())),
     }
 }
 
@@ -270,7 +270,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
             .map_err(|_| ApiError::invalid("malformed query string"))?;
         match axum::extract::Query::<T>::try_from_uri(&uri) {
             Ok(axum::extract::Query(v)) => Ok(ApiQuery(v)),
-            Err(e) => Err(ApiError::invalid(e.body_text())),
+            Err(e) => Err(ApiError::unparsable("bad query", &e.body_text())),
         }
     }
 }
@@ -285,7 +285,7 @@ impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Path::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Path(v)) => Ok(ApiPath(v)),
-            Err(e) => Err(ApiError::invalid(e.body_text())),
+            Err(e) => Err(ApiError::unparsable("bad path", &e.body_text())),
         }
     }
 }

@@ -109,7 +109,10 @@ impl Connection {
                     .into();
             }
             Some(Ok(f)) => f,
-            Some(Err(e)) => return self.bad_frame(req, &format!("bad frame: {e}")).into(),
+            Some(Err(e)) => {
+                let message = crate::error::without_rust_types(&e.to_string());
+                return self.bad_frame(req, &format!("bad frame: {message}")).into();
+            }
         };
         // A `sync` or `pull` reads what this connection's commands and acks changed, and
         // a `pong` says everything sent before its `ping` is durable, acks included (so a

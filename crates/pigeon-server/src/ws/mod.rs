@@ -147,7 +147,7 @@ async fn authorize(
             "server is shutting down",
         ));
     }
-    let Query(p) = params.map_err(|e| ApiError::invalid(e.body_text()))?;
+    let Query(p) = params.map_err(|e| ApiError::unparsable("bad query", &e.body_text()))?;
     let header_token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())

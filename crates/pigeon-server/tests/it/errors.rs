@@ -1390,3 +1390,65 @@ async fn unknown_paths_and_wrong_methods_answer_404_not_found() {
         );
     }
 }
+
+/// "The body never leaks internals" (PROTOCOL.md 1): a body, query or frame of the wrong
+/// types is answered in the protocol's words, not in the Rust types the server parses
+/// into (`expected u64`, `expected struct …`, "target type").
+#[tokio::test]
+async fn wrong_types_are_answered_without_rust_type_names() {
+    let s = spawn_server().await;
+    let alice = s.user(1).await;
+    let _ = s.user(2).await;
+    let mut answers = Vec::new();
+    for (method, path, body) in [
+        (
+            reqwest::Method::POST,
+            "/v1/messages",
+            Some(json!({"client_msg_id": "t1", "to": "x", "kind": "text", "content": "c"})),
+        ),
+        (
+            reqwest::Method::POST,
+            "/v1/messages",
+            Some(
+                json!({"client_msg_id": "t2", "to": {"user": "x"}, "kind": "text", "content": "c"}),
+            ),
+        ),
+        (
+            reqwest::Method::POST,
+            "/v1/groups",
+            Some(json!({"name": "g", "members": [1.5]})),
+        ),
+        (
+            reqwest::Method::GET,
+            "/v1/conversations?limit=18446744073709551616",
+            None,
+        ),
+    ] {
+        let (status, answer) = alice.raw(method, path, body.as_ref()).await.unwrap();
+        assert_eq!(
+            (status, answer["code"].as_str()),
+            (400, Some("invalid_argument")),
+            "{path}: {answer}"
+        );
+        answers.push(answer);
+    }
+    let token = s.token(1).await;
+    let mut ws = s.ws(&token, "d").await;
+    for (req, frame) in [
+        (1, json!({"type": "ack", "user_seq": "x"})),
+        (
+            2,
+            json!({"type": "send", "client_msg_id": "w", "to": "x", "kind": "text", "content": "c"}),
+        ),
+    ] {
+        let answer = request(&mut ws, frame, req).await;
+        assert_eq!(answer["code"], "invalid_argument", "{answer}");
+        answers.push(answer);
+    }
+    for answer in answers {
+        let message = answer["message"].as_str().unwrap();
+        for rust in ["u64", "struct", "target type", "Failed to deserialize"] {
+            assert!(!message.contains(rust), "{message:?} names {rust:?}");
+        }
+    }
+}
