@@ -28,9 +28,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 /// the answer before: so also how long an idle kept-alive connection stays open. Hyper's
 /// own default (nginx waits 60 s for a head, and keeps idle connections 75 s).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// The most a connection buffers of a request head (hyper's default is ~400 KiB): Pigeon's
-/// heads are small, and slow heads should not each hold that much.
-const MAX_HEAD_BUFFER: usize = 64 * 1024;
+/// The most a request head may hold (`api::head_within_limit` refuses more), and the most a
+/// connection buffers of one (hyper's default is ~400 KiB; its buffer may take in up to
+/// about twice this before the head is parsed): Pigeon's heads are small, and slow heads
+/// should not each hold that much.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// The least time a connection's socket may refuse every byte written to it before the
 /// connection is dropped (see [`write_stall_limit`]).
 const MIN_WRITE_STALL: Duration = Duration::from_secs(30);
@@ -149,7 +151,7 @@ pub async fn serve(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT)
-                .max_buf_size(MAX_HEAD_BUFFER);
+                .max_buf_size(MAX_HEAD_BYTES);
             let conn = builder
                 .serve_connection(
                     TokioIo::new(Placed::served(tcp, place, write_stall)),
@@ -197,7 +199,7 @@ async fn refuse(socket: Placed, refusal: Router) {
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(REFUSAL_HEAD_TIMEOUT)
-        .max_buf_size(MAX_HEAD_BUFFER)
+        .max_buf_size(MAX_HEAD_BYTES)
         .keep_alive(false);
     let conn = builder.serve_connection(TokioIo::new(socket), TowerToHyperService::new(refusal));
     // The answer is small; a client that does not read it is not waited for.

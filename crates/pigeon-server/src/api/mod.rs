@@ -100,8 +100,38 @@ pub fn router(app: AppRef) -> Router {
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
             crate::serve::HEADER_READ_TIMEOUT,
         ))
+        .layer(axum::middleware::from_fn(head_within_limit))
         .layer(catch_panics())
         .with_state(app)
+}
+
+/// Refuses a request whose head (its request line and headers, as sent) is over
+/// [`crate::serve::MAX_HEAD_BYTES`], as hyper refuses one whose first 64 KiB it reads
+/// without finding the head's end: `431`, here with the JSON body of `payload_too_large`
+/// (hyper's has none). Hyper's bound is its read buffer's, which may take in a larger head
+/// whole when it arrives at once.
+async fn head_within_limit(req: Request, next: axum::middleware::Next) -> Response {
+    let line = req.method().as_str().len()
+        + req.uri().path_and_query().map_or(1, |p| p.as_str().len())
+        + " HTTP/1.1\r\n".len();
+    let headers: usize = req
+        .headers()
+        .iter()
+        .map(|(name, value)| name.as_str().len() + ": \r\n".len() + value.len())
+        .sum();
+    if line + headers > crate::serve::MAX_HEAD_BYTES {
+        let mut refused = ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "the request head is over {} KiB",
+                crate::serve::MAX_HEAD_BYTES / 1024
+            ),
+        )
+        .into_response();
+        *refused.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+        return refused;
+    }
+    next.run(req).await
 }
 
 /// A handler that panics (a bug) answers `500 internal` with the protocol's error body,

@@ -1452,3 +1452,43 @@ async fn wrong_types_are_answered_without_rust_type_names() {
         }
     }
 }
+
+/// docs/PROTOCOL-EXTENSIONS.md: a request's head holds at most 64 KiB. One just under
+/// is served; one over is refused with `431`, whether the HTTP layer saw it first (as it
+/// does with this client, which writes the head in pieces) or the head came whole.
+#[tokio::test]
+async fn a_request_head_over_64_kib_is_refused_with_431() {
+    let s = spawn_server().await;
+    let client = reqwest::Client::new();
+    let with_header = |bytes: usize| {
+        client
+            .get(format!("{}/healthz", s.base))
+            .header("x-padding", "a".repeat(bytes))
+            .send()
+    };
+    let under = with_header(60 * 1024).await.unwrap();
+    assert_eq!(under.status().as_u16(), 200);
+    let over = with_header(70 * 1024).await.unwrap();
+    assert_eq!(over.status().as_u16(), 431);
+    // Written whole in one write, as a raw client may: the server reads it and answers
+    // with its error body.
+    let head = format!(
+        "GET /healthz HTTP/1.1\r\nhost: x\r\nx-padding: {}\r\nconnection: close\r\n\r\n",
+        "a".repeat(80 * 1024)
+    );
+    let mut tcp = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(WAIT, tcp.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    if let Some((_, body)) = answer.split_once("\r\n\r\n")
+        && !body.is_empty()
+    {
+        let body: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(body["code"], "payload_too_large", "{body}");
+    }
+}
