@@ -158,19 +158,31 @@ async fn settings_come_from_the_environment_over_the_file() {
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let msg_id = ack["msg_id"].as_str().unwrap();
-    let (status, body) = user
-        .raw(
+    assert_eq!(
+        late_change(
+            &user,
             reqwest::Method::POST,
             &format!("/v1/messages/{msg_id}/recall"),
-            None,
+            None
         )
-        .await
-        .unwrap();
-    assert_eq!(
-        (status, body["code"].as_str()),
-        (409, Some("window_expired")),
+        .await,
+        (409, "window_expired".to_owned()),
         "recall-window-secs from the file"
     );
+}
+
+/// The status and error code of a recall or edit (`method path body`) as `h`.
+async fn late_change(
+    h: &Http,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<&Value>,
+) -> (u16, String) {
+    let (status, body) = h.raw(method, path, body).await.unwrap();
+    (
+        status,
+        body["code"].as_str().unwrap_or("no code").to_owned(),
+    )
 }
 
 #[tokio::test]
@@ -655,32 +667,27 @@ async fn windows_push_retry_and_data_dir_come_from_flags_and_the_environment() {
 
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let msg_id = ack["msg_id"].as_str().unwrap();
-        let (status, body) = alice
-            .raw(
+        let edit = json!({"content": "second"});
+        for (what, method, path, body) in [
+            (
+                "edit",
                 reqwest::Method::PATCH,
-                &format!("/v1/messages/{msg_id}"),
-                Some(&json!({"content": "second"})),
-            )
-            .await
-            .unwrap();
-        assert_eq!(
-            (status, body["code"].as_str()),
-            (409, Some("window_expired")),
-            "{tag}: a late edit"
-        );
-        let (status, body) = alice
-            .raw(
+                format!("/v1/messages/{msg_id}"),
+                Some(&edit),
+            ),
+            (
+                "recall",
                 reqwest::Method::POST,
-                &format!("/v1/messages/{msg_id}/recall"),
+                format!("/v1/messages/{msg_id}/recall"),
                 None,
-            )
-            .await
-            .unwrap();
-        assert_eq!(
-            (status, body["code"].as_str()),
-            (409, Some("window_expired")),
-            "{tag}: a late recall"
-        );
+            ),
+        ] {
+            assert_eq!(
+                late_change(&alice, method, &path, body).await,
+                (409, "window_expired".to_owned()),
+                "{tag}: a late {what}"
+            );
+        }
         p.child.kill().await.unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }

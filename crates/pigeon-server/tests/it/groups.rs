@@ -1,6 +1,7 @@
 //! Group management (PROTOCOL.md 6 Groups) and the command messages it writes (section 1):
 //! every change is a message of the group's chain, pushed to every member and kept in history.
 
+use crate::reads::listed;
 use crate::*;
 use serde_json::json;
 
@@ -1095,17 +1096,8 @@ async fn a_former_member_no_longer_lists_the_group_nor_reads_it_as_a_conversatio
         id,
         ..
     } = trio(&s).await;
-    let group_ids = |list: &Value| -> Vec<String> {
-        list["conversations"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["conversation_id"].as_str().unwrap().to_owned())
-            .collect()
-    };
     for h in [&bob, &carol] {
-        let list = h.get("/v1/conversations").await.unwrap();
-        assert_eq!(group_ids(&list), vec![id.clone()], "a member lists it");
+        assert_eq!(listed(h).await, vec![id.clone()], "a member lists it");
     }
     alice
         .delete(&format!("/v1/groups/{id}/members/222"))
@@ -1121,8 +1113,7 @@ async fn a_former_member_no_longer_lists_the_group_nor_reads_it_as_a_conversatio
         .await
         .unwrap();
     for (h, who, removal) in [(&bob, "kicked", 2u64), (&carol, "quit", 3)] {
-        let list = h.get("/v1/conversations").await.unwrap();
-        assert_eq!(group_ids(&list), Vec::<String>::new(), "{who}: {list}");
+        assert_eq!(listed(h).await, Vec::<String>::new(), "{who}");
         let path = format!("/v1/conversations/{id}");
         assert_eq!(
             status_and_code(h, reqwest::Method::GET, &path, None).await,

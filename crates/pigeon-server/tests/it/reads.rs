@@ -29,7 +29,7 @@ async fn settings(h: &Http, id: &str, body: Value) -> Value {
 }
 
 /// The ids of the caller's conversation list, in order.
-async fn listed(h: &Http) -> Vec<String> {
+pub async fn listed(h: &Http) -> Vec<String> {
     let list = h.get("/v1/conversations").await.expect("list");
     list["conversations"]
         .as_array()
