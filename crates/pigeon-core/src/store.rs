@@ -65,27 +65,24 @@ pub struct Membership {
     /// The conversation's newest seq.
     pub conversation_seq: u64,
     pub is_read_fanout: bool,
-    /// The seq from which the group first used read fan-out, if it ever did.
-    pub read_fanout_since: Option<u64>,
 }
 
 impl Membership {
     /// A device's position in this conversation's chain when it gives none (see
     /// [`chain_position`]).
     pub fn chain_position(&self, stored: u64) -> u64 {
-        chain_position(stored, self.joined_seq, self.read_fanout_since)
+        chain_position(stored, self.joined_seq)
     }
 }
 
-/// A device's position in a group's chain when it gives none: its stored cursor, but no
-/// lower than just before the member's first readable message (`joined_seq`), nor than
-/// just before the group first used read fan-out (what came before reached the member
-/// through their inbox). `sync` reports it as the group's `cursor`, and `pull` starts
-/// after it, so the two agree.
-pub fn chain_position(stored: u64, joined_seq: u64, read_fanout_since: Option<u64>) -> u64 {
-    stored
-        .max(joined_seq.saturating_sub(1))
-        .max(read_fanout_since.map_or(0, |s| s.saturating_sub(1)))
+/// A device's position in a group's chain when it gives none: its stored cursor (0 for a
+/// device that never acknowledged any of it, PROTOCOL.md 5.3), but no lower than just
+/// before the member's first readable message (`joined_seq`). `sync` reports it as the
+/// group's `cursor`, and `pull` starts after it, so the two agree. (In a group that turned
+/// to read fan-out, what came before also reached the inbox: a device that pulls it again
+/// keeps it once, by seq.)
+pub fn chain_position(stored: u64, joined_seq: u64) -> u64 {
+    stored.max(joined_seq.saturating_sub(1))
 }
 
 /// Which page of history.

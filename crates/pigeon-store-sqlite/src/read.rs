@@ -43,7 +43,7 @@ pub fn membership(
     user: UserId,
 ) -> rusqlite::Result<Option<Membership>> {
     c.prepare_cached(
-        "SELECT mb.role, mb.joined_seq, mb.left_seq, mb.last_read_seq, c.seq, c.fanout, c.read_fanout_since FROM members mb \
+        "SELECT mb.role, mb.joined_seq, mb.left_seq, mb.last_read_seq, c.seq, c.fanout FROM members mb \
          JOIN conversations c ON c.conversation_id = mb.conversation_id WHERE mb.conversation_id = ?1 AND mb.user_id = ?2",
     )?
     .query_row(params![conv.as_str(), user.get() as i64], |r| {
@@ -54,7 +54,6 @@ pub fn membership(
             last_read_seq: r.get::<_, i64>(3)? as u64,
             conversation_seq: r.get::<_, i64>(4)? as u64,
             is_read_fanout: r.get::<_, String>(5)? == "read",
-            read_fanout_since: r.get::<_, Option<i64>>(6)?.map(|s| s as u64),
         })
     })
     .optional()
@@ -466,7 +465,7 @@ pub fn read_fanout_changes(
     given: &HashMap<String, u64>,
 ) -> rusqlite::Result<Vec<SyncConversation>> {
     let mut st = c.prepare_cached(
-        "SELECT c.conversation_id, c.seq, c.last_msg_id, mb.joined_seq, mb.last_read_seq, c.read_fanout_since, \
+        "SELECT c.conversation_id, c.seq, c.last_msg_id, mb.joined_seq, mb.last_read_seq, \
          mb.left_seq FROM members mb \
          JOIN conversations c ON c.conversation_id = mb.conversation_id \
          WHERE mb.user_id = ?1 AND c.read_fanout_since IS NOT NULL \
@@ -480,16 +479,15 @@ pub fn read_fanout_changes(
                 r.get::<_, Option<i64>>(2)?,
                 r.get::<_, i64>(3)? as u64,
                 r.get::<_, i64>(4)? as u64,
-                r.get::<_, i64>(5)? as u64,
-                r.get::<_, Option<i64>>(6)?.map(|s| s as u64),
+                r.get::<_, Option<i64>>(5)?.map(|s| s as u64),
             ))
         })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let mut out = Vec::new();
-    for (id, newest, last_msg_id, joined_seq, last_read, read_since, left_seq) in groups {
+    for (id, newest, last_msg_id, joined_seq, last_read, left_seq) in groups {
         let position = match given.get(&id) {
             Some(p) => *p,
-            None => chain_position(cursor(c, user, device, &id)?, joined_seq, Some(read_since)),
+            None => chain_position(cursor(c, user, device, &id)?, joined_seq),
         };
         // A former member's chain ends at the removal.
         let seq = left_seq.unwrap_or(newest);

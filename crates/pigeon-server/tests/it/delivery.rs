@@ -181,11 +181,12 @@ async fn crossing_the_fanout_threshold_both_ways_loses_and_repeats_nothing() {
     );
 }
 
-/// PROTOCOL.md 5.3: `cursor` is "the position the server used (given or stored)", and
-/// `pull`'s `from` "defaults to the device's cursor + 1". In a group that turned to read
-/// fan-out after some messages (which reached the members' inboxes), a device that gives
-/// no position is where `sync` says: just before the first read fan-out message, and a
-/// `pull` without `from` starts right after that `cursor` (it started at 1).
+/// PROTOCOL.md 5.3: omitted positions mean "from my device's server-side cursor (0 for a
+/// device that has never acknowledged anything)", `cursor` is "the position the server
+/// used", and `pull`'s `from` "defaults to the device's cursor + 1". In a group that
+/// turned to read fan-out after some messages (which reached the members' inboxes too),
+/// `sync` and `pull` agree: a fresh device is at 0 and pulls the whole chain (once, it
+/// said 3 and pulled from 1); after acknowledging the group's seq 4 it is at 4.
 #[tokio::test]
 async fn sync_and_pull_agree_on_a_position_in_a_group_that_turned_to_read_fanout() {
     let s = spawn_with(|c| c.fanout_write_max_members = 3).await;
@@ -207,9 +208,8 @@ async fn sync_and_pull_agree_on_a_position_in_a_group_that_turned_to_read_fanout
         .post("/v1/messages", &text_to_conv("r1", &g, "read"))
         .await
         .unwrap();
-    for (round, device) in ["fresh", "another"].into_iter().enumerate() {
-        let mut ws = s.ws(&t2, device).await;
-        let r = request(&mut ws, json!({"type": "sync"}), 1).await;
+    let mut ws = s.ws(&t2, "fresh").await;
+    let position = |r: &Value| {
         let listed = r["conversations"]
             .as_array()
             .unwrap()
@@ -217,37 +217,28 @@ async fn sync_and_pull_agree_on_a_position_in_a_group_that_turned_to_read_fanout
             .find(|c| c["conversation_id"] == g.as_str())
             .unwrap_or_else(|| panic!("the group is listed: {r}"))
             .clone();
-        assert_eq!(
-            (listed["seq"].as_u64(), listed["cursor"].as_u64()),
-            (Some(5), Some(3)),
-            "{device}: {listed}"
-        );
-        let p = request(
-            &mut ws,
-            json!({"type": "pull", "chain": "conversation", "conversation_id": g}),
-            2,
-        )
-        .await;
-        let pulled: Vec<u64> = p["items"]
+        (listed["seq"].as_u64(), listed["cursor"].as_u64())
+    };
+    let pulled = |p: &Value| -> Vec<u64> {
+        p["items"]
             .as_array()
             .unwrap()
             .iter()
             .map(|i| i["seq"].as_u64().unwrap())
-            .collect();
-        assert_eq!(pulled, vec![4, 5], "{device}: from the cursor sync gave");
-        if round == 0 {
-            // What came before reached the inbox.
-            let p = request(&mut ws, json!({"type": "pull", "chain": "user"}), 3).await;
-            let inbox: Vec<u64> = p["items"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|i| i["message"]["conversation_id"] == g.as_str())
-                .map(|i| i["message"]["seq"].as_u64().unwrap())
-                .collect();
-            assert_eq!(inbox, vec![1, 2, 3]);
-        }
-    }
+            .collect()
+    };
+    let pull = json!({"type": "pull", "chain": "conversation", "conversation_id": g});
+    let r = request(&mut ws, json!({"type": "sync"}), 1).await;
+    assert_eq!(position(&r), (Some(5), Some(0)), "{r}");
+    let p = request(&mut ws, pull.clone(), 2).await;
+    assert_eq!(pulled(&p), vec![1, 2, 3, 4, 5], "from the cursor sync gave");
+    ws.send(&json!({"type": "ack", "conversation_id": g, "seq": 4}))
+        .await
+        .unwrap();
+    let r = request(&mut ws, json!({"type": "sync"}), 3).await;
+    assert_eq!(position(&r), (Some(5), Some(4)), "{r}");
+    let p = request(&mut ws, pull, 4).await;
+    assert_eq!(pulled(&p), vec![5], "from the acknowledged position");
 }
 
 #[tokio::test]
