@@ -90,6 +90,37 @@ fn group(
     }
 }
 
+/// A text send from `from` into `group`, its message then loaded into the engine as the
+/// store would give it to a later command (a recall or an edit asks for the message).
+fn send_and_load(
+    e: &mut Engine,
+    from: u64,
+    group: ConversationId,
+    cmid: &str,
+    ch: &mut Changes,
+    ev: &mut Vec<Event>,
+) -> SendAck {
+    let a = ack(send(e, from, SendTo::Conversation(group), cmid, ch, ev));
+    let msg = ch
+        .messages
+        .iter()
+        .find(|m| m.msg_id == a.msg_id)
+        .unwrap()
+        .clone();
+    let needs = Needs {
+        messages: [a.msg_id].into(),
+        ..Needs::default()
+    };
+    e.absorb(
+        Loaded {
+            messages: [(a.msg_id, msg)].into(),
+            ..Loaded::default()
+        },
+        &needs,
+    );
+    a
+}
+
 fn ack(r: Result<Reply, DomainError>) -> SendAck {
     match r.unwrap() {
         Reply::SendAck(a) => a,
@@ -256,31 +287,7 @@ fn recall_respects_the_window_except_for_group_managers() {
     let mut e = engine(2, 500);
     let (mut ch, mut ev) = (Changes::default(), Vec::new());
     let g = group(&mut e, 1, &[2], &mut ch, &mut ev);
-    let a = ack(send(
-        &mut e,
-        2,
-        SendTo::Conversation(g),
-        "r",
-        &mut ch,
-        &mut ev,
-    ));
-    let msg = ch
-        .messages
-        .iter()
-        .find(|m| m.msg_id == a.msg_id)
-        .unwrap()
-        .clone();
-    let needs = Needs {
-        messages: [a.msg_id].into(),
-        ..Needs::default()
-    };
-    e.absorb(
-        Loaded {
-            messages: [(a.msg_id, msg)].into(),
-            ..Loaded::default()
-        },
-        &needs,
-    );
+    let a = send_and_load(&mut e, 2, g, "r", &mut ch, &mut ev);
     let late = T0 + 5000;
     let err = e
         .apply(
@@ -326,31 +333,7 @@ fn an_edit_in_a_dismissed_group_answers_conflict_even_past_its_window() {
     let mut e = engine(2, 500);
     let (mut ch, mut ev) = (Changes::default(), Vec::new());
     let g = group(&mut e, 1, &[2], &mut ch, &mut ev);
-    let a = ack(send(
-        &mut e,
-        2,
-        SendTo::Conversation(g.clone()),
-        "e",
-        &mut ch,
-        &mut ev,
-    ));
-    let msg = ch
-        .messages
-        .iter()
-        .find(|m| m.msg_id == a.msg_id)
-        .unwrap()
-        .clone();
-    let needs = Needs {
-        messages: [a.msg_id].into(),
-        ..Needs::default()
-    };
-    e.absorb(
-        Loaded {
-            messages: [(a.msg_id, msg)].into(),
-            ..Loaded::default()
-        },
-        &needs,
-    );
+    let a = send_and_load(&mut e, 2, g.clone(), "e", &mut ch, &mut ev);
     let dismiss = Command::Dismiss {
         actor: uid(1),
         conversation: g,
