@@ -159,9 +159,18 @@ impl FromRequestParts<AppRef> for AuthUser {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
-        let AuthSession { user, .. } = AuthSession::from_request_parts(parts, app).await?;
-        Ok(AuthUser(user))
+        app.authenticate(bearer_token(parts)?).await.map(AuthUser)
     }
+}
+
+/// The bearer token of a request, or `unauthorized`.
+fn bearer_token(parts: &Parts) -> Result<&str, ApiError> {
+    parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer)
+        .ok_or_else(ApiError::unauthorized)
 }
 
 /// The authenticated user of a request that may wait (a long poll), with its token: a
@@ -183,12 +192,7 @@ impl FromRequestParts<AppRef> for AuthSession {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
-        let token = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(bearer)
-            .ok_or_else(ApiError::unauthorized)?;
+        let token = bearer_token(parts)?;
         let user = app.authenticate(token).await?;
         Ok(AuthSession {
             user,
@@ -220,13 +224,8 @@ impl FromRequestParts<AppRef> for Admin {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
-        let key = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(bearer);
-        match key {
-            Some(k) if app.is_admin_key(k) => Ok(Admin),
+        match bearer_token(parts) {
+            Ok(k) if app.is_admin_key(k) => Ok(Admin),
             _ => Err(ApiError::new(ErrorCode::Unauthorized, "admin key required")),
         }
     }
