@@ -18,9 +18,8 @@ pub struct InboxRow {
     pub msg_id: MsgId,
 }
 
-/// A conversation's own row: its state without the member list. (In the journal, as in
-/// [`MemberRow`], an absent option is left out rather than written as `null`: a journal
-/// record is written and fsynced for every batch.)
+/// A conversation's own row: its state without the member list. (The `default`s read
+/// journal records of earlier versions, which left an absent option out.)
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ConversationRow {
     pub id: ConversationId,
@@ -28,18 +27,18 @@ pub struct ConversationRow {
     pub seq: u64,
     pub member_count: u64,
     pub fanout: Fanout,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub notice: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub avatar: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub owner: Option<UserId>,
     pub dismissed: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub last_msg_id: Option<MsgId>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub read_fanout_since: Option<u64>,
     pub created_at: i64,
     pub updated_at: i64,
@@ -72,7 +71,7 @@ pub struct MemberRow {
     pub conversation: ConversationId,
     pub user: UserId,
     pub state: MemberState,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub left_seq: Option<u64>,
 }
 
@@ -112,8 +111,8 @@ pub struct Changes {
     /// or once evicted), as given: the store saves one only for a member or former member,
     /// clamped to the conversation's newest stored seq (and to the removal of a former
     /// member), so an ack naming any id makes no row and skips nothing. (Absent from
-    /// journal records written before it existed, and left out of those that hold none.)
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// journal records written before it existed, and left out of JSON ones that hold none.)
+    #[serde(default)]
     pub member_cursors: Vec<(UserId, DeviceId, ConversationId, u64)>,
 }
 

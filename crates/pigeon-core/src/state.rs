@@ -12,13 +12,13 @@ pub struct MemberState {
     /// The seq of the message that made them a member (they see it and everything after).
     pub joined_seq: u64,
     pub joined_at: i64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub mute_until: Option<i64>,
     pub last_read_seq: u64,
     pub pinned: bool,
     pub muted: bool,
     /// Hidden while the conversation's newest seq is at most this.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub hidden_seq: Option<u64>,
 }
 

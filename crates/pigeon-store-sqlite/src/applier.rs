@@ -207,7 +207,7 @@ impl StoreWrites {
     pub fn commit(&self, changes: Changes) -> Result<(), StoreError> {
         let mut record = self.record.lock().expect("record lock");
         record.clear();
-        serde_json::to_writer(&mut *record, &changes).map_err(err)?;
+        crate::record::encode(&changes, &mut record).map_err(err)?;
         let size = record.payload().len();
         self.wait_for_room(size)?;
         let mut journal = self.journal.lock().expect("journal lock");
@@ -739,7 +739,7 @@ pub fn replay(
     for chunk in pending.chunks(MAX_APPLY_BATCHES) {
         let mut batches = Vec::with_capacity(chunk.len());
         for (lsn, payload) in chunk {
-            let changes: Changes = serde_json::from_slice(payload)
+            let changes = crate::record::decode(payload)
                 .map_err(|e| StoreError(format!("journal record {lsn} does not decode: {e}")))?;
             batches.push(changes);
         }

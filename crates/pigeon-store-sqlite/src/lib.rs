@@ -8,6 +8,7 @@ mod applier;
 mod background;
 mod journal;
 mod read;
+mod record;
 mod rows;
 mod schema;
 mod table_files;
@@ -1193,10 +1194,12 @@ mod tests {
             let (mut journal, pending) =
                 Journal::open(&dir.join("journal"), true, applied).unwrap();
             assert!(pending.is_empty());
-            for (id, name) in [(2, "journaled"), (1, "renamed")] {
-                let payload = serde_json::to_vec(&user_named(id, name)).unwrap();
-                journal.append(&payload).unwrap();
-            }
+            // One record as earlier versions wrote them (JSON), one as this one does.
+            let old = serde_json::to_vec(&user_named(2, "journaled")).unwrap();
+            journal.append(&old).unwrap();
+            let mut record = crate::journal::RecordBuf::default();
+            crate::record::encode(&user_named(1, "renamed"), &mut record).unwrap();
+            journal.append_record(&mut record).unwrap();
         }
         let store = SqliteStore::open(&dir, Durability::Fsync).unwrap();
         assert_eq!(user_name(&store, 2).await.as_deref(), Some("journaled"));
@@ -1778,7 +1781,7 @@ mod tests {
         let old = r#"{"users":[[1,"n","a",5]],"logouts":[],"conversations":[],"messages":[],"inbox":[],
             "members":[],"message_updates":[{"msg_id":"99","status":"deleted","version":1,"content":"","edited_at":null,"recalled":null}],
             "versions":[],"hidden_messages":[],"cursors":[]}"#;
-        let changes: Changes = serde_json::from_str(old).unwrap();
+        let changes = crate::record::decode(old.as_bytes()).unwrap();
         apply_together(&mut c, &[&changes]);
         let user: (String, String) = c
             .query_row(
@@ -1878,11 +1881,85 @@ mod tests {
             MemberRow {
                 conversation: conv.clone(),
                 user: u,
-                state: MemberState::joined(Role::Owner, 1, 3, 5),
+                state: MemberState {
+                    mute_until: Some(9),
+                    hidden_seq: Some(2),
+                    ..MemberState::joined(Role::Owner, 1, 3, 5)
+                },
                 left_seq: Some(3),
             },
         );
-        let back: Changes = serde_json::from_slice(&serde_json::to_vec(&changes).unwrap()).unwrap();
+        let mut record = crate::journal::RecordBuf::default();
+        crate::record::encode(&changes, &mut record).unwrap();
+        let back = crate::record::decode(record.payload()).unwrap();
         assert_eq!(format!("{back:?}"), format!("{changes:?}"));
+        // A set-aside batch is written as JSON, and older records are JSON: both read back.
+        let json = serde_json::to_vec(&changes).unwrap();
+        let back = crate::record::decode(&json).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{changes:?}"));
+        assert!(
+            record.payload().len() * 2 < json.len(),
+            "positional: {} bytes against JSON's {}",
+            record.payload().len(),
+            json.len()
+        );
+        // Every option absent: a field its type skipped when empty would shift the rest.
+        let c = &mut changes.conversations[0];
+        (
+            c.name,
+            c.avatar,
+            c.owner,
+            c.last_msg_id,
+            c.read_fanout_since,
+        ) = (None, None, None, None, None);
+        let m = &mut changes.messages[0];
+        (m.client_msg_id, m.reply_to, m.edited_at) = (None, None, None);
+        (m.extra, m.mentions) = (serde_json::Value::Null, Vec::new());
+        changes.users[0].1 = None;
+        changes.message_updates[0].recalled = None;
+        changes.member_cursors.clear();
+        for row in changes.members.values_mut() {
+            row.left_seq = None;
+            (row.state.mute_until, row.state.hidden_seq) = (None, None);
+        }
+        let mut record = crate::journal::RecordBuf::default();
+        crate::record::encode(&changes, &mut record).unwrap();
+        let back = crate::record::decode(record.payload()).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{changes:?}"));
+    }
+
+    /// A field added at the end of a record's struct (with `#[serde(default)]`) reads
+    /// records written before it: their array is one shorter.
+    #[test]
+    fn a_record_written_before_a_trailing_field_existed_still_decodes() {
+        #[derive(serde::Serialize)]
+        struct Before {
+            users: Vec<(UserId, Option<String>, Option<String>, i64)>,
+            logouts: Vec<UserId>,
+            conversations: Vec<()>,
+            messages: Vec<()>,
+            inbox: Vec<()>,
+            members: Vec<()>,
+            message_updates: Vec<()>,
+            versions: Vec<()>,
+            hidden_messages: Vec<()>,
+            cursors: Vec<()>,
+        }
+        let before = Before {
+            users: user_named(4, "four").users,
+            logouts: Vec::new(),
+            conversations: Vec::new(),
+            messages: Vec::new(),
+            inbox: Vec::new(),
+            members: Vec::new(),
+            message_updates: Vec::new(),
+            versions: Vec::new(),
+            hidden_messages: Vec::new(),
+            cursors: Vec::new(),
+        };
+        let bytes = rmp_serde::to_vec(&before).unwrap();
+        let back = crate::record::decode(&bytes).unwrap();
+        assert_eq!(back.users, before.users);
+        assert!(back.member_cursors.is_empty());
     }
 }

@@ -56,7 +56,9 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
     let (holder, _) = hold_write_lock(&s, Duration::from_millis(6_500));
 
     // A is journaled (the backlog was empty) and acknowledged; the tables cannot take it.
-    let a = request(&mut ws, send_frame(text_to_user("c1", 2, "one")), 1000).await;
+    // Its record alone fills the backlog's KiB.
+    let one = "one ".repeat(300);
+    let a = request(&mut ws, send_frame(text_to_user("c1", 2, &one)), 1000).await;
     assert_eq!(
         (a["type"].as_str(), a["seq"].as_u64()),
         (Some("send_ack"), Some(2)),
@@ -117,7 +119,7 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
         (Some(4), Some(false)),
         "{retry}"
     );
-    let again = request(&mut ws, send_frame(text_to_user("c1", 2, "one")), 6).await;
+    let again = request(&mut ws, send_frame(text_to_user("c1", 2, &one)), 6).await;
     assert_eq!(
         (again["seq"].as_u64(), again["duplicate"].as_bool()),
         (Some(2), Some(true)),
@@ -148,7 +150,7 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
         .collect();
     let mut want: Vec<(u64, String)> = vec![
         (1, "zero".into()),
-        (2, "one".into()),
+        (2, one),
         (3, "three".into()),
         (4, "two".into()),
     ];
