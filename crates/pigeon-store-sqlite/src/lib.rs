@@ -1893,6 +1893,8 @@ mod tests {
         crate::record::encode(&changes, &mut record).unwrap();
         let back = crate::record::decode(record.payload()).unwrap();
         assert_eq!(format!("{back:?}"), format!("{changes:?}"));
+        // An array of the batch's fields (a fixarray: 0x90 + 11), never a JSON object's `{`.
+        assert_eq!(record.payload()[0], 0x90 + 11);
         // A set-aside batch is written as JSON, and older records are JSON: both read back.
         let json = serde_json::to_vec(&changes).unwrap();
         let back = crate::record::decode(&json).unwrap();
