@@ -371,6 +371,43 @@ fn connections() {
     assert_eq!(v["alive_at_end"], 50, "{v:#}");
 }
 
+/// More connections than one load process holds go to child load processes
+/// (`--processes` makes them at a tiny size): each one's figures are reported beside the
+/// totals, and every connection is counted once.
+#[test]
+fn connections_from_several_load_processes() {
+    let v = bench(
+        "connections-processes",
+        &[
+            "connections",
+            "--connections",
+            "61",
+            "--processes",
+            "3",
+            "--hold-secs",
+            "1",
+        ],
+    );
+    assert_clean(
+        &v,
+        "connections",
+        &[
+            "server_rss_per_connection_kib",
+            "bench_rss_per_connection_kib",
+        ],
+    );
+    assert_eq!(v["processes"], 3, "{v:#}");
+    assert_eq!(v["opened"], 61, "{v:#}");
+    assert_eq!(v["alive_at_end"], 61, "{v:#}");
+    let per = v["per_process"].as_array().expect("per-process figures");
+    let shares: Vec<_> = per.iter().map(|p| p["connections"].clone()).collect();
+    assert_eq!(shares, [21, 21, 19], "{v:#}");
+    for p in per {
+        assert_eq!(p["opened"], p["connections"], "{v:#}");
+        assert_eq!(p["alive_at_end"], p["connections"], "{v:#}");
+    }
+}
+
 #[test]
 fn isolation() {
     let v = bench(
@@ -405,10 +442,21 @@ fn refuses_servers_off_loopback_and_too_many_connections() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    let out = Command::new(env!("CARGO_BIN_EXE_pigeon"))
-        .args(["bench", "connections", "--spawn", "--connections", "19001"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("19000"));
+    // One load process holds at most 19 000; more processes than connections is no plan.
+    for args in [
+        ["--connections", "19001", "--processes", "1"],
+        ["--connections", "5", "--processes", "6"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_pigeon"))
+            .args(["bench", "connections", "--spawn"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("19000"),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
