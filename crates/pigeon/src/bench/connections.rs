@@ -129,12 +129,15 @@ struct ProcessOutcome {
 
 impl ProcessOutcome {
     fn rss_per_connection_kib(&self) -> Option<f64> {
-        match (self.rss_before_kib, self.rss_after_kib) {
-            (Some(b), Some(a)) if self.opened > 0 => {
-                Some((a as f64 - b as f64) / self.opened as f64)
-            }
-            _ => None,
-        }
+        kib_per_connection(self.rss_before_kib, self.rss_after_kib, self.opened)
+    }
+}
+
+/// A process's memory growth over the connections it came from.
+fn kib_per_connection(before: Option<u64>, after: Option<u64>, opened: u64) -> Option<f64> {
+    match (before, after) {
+        (Some(b), Some(a)) if opened > 0 => Some((a as f64 - b as f64) / opened as f64),
+        _ => None,
     }
 }
 
@@ -296,10 +299,7 @@ async fn body(a: &Args, processes: usize, target: &Target) -> Res<ExitCode> {
     rep.set("server_rss_after_kib", rss_after);
     rep.num(
         "server_rss_per_connection_kib",
-        match (rss_before, rss_after) {
-            (Some(b), Some(a)) if opened > 0 => Some((a as f64 - b as f64) / opened as f64),
-            _ => None,
-        },
+        kib_per_connection(rss_before, rss_after, opened),
     );
     if target.kind == "in-process" {
         rep.set(
