@@ -3,7 +3,7 @@
 //!
 //! Every batch is written and fsynced before anyone hears of it, so its bytes are on the
 //! hot path: a direct message took ~890 bytes as JSON (the message, its conversation's
-//! row, the sender's membership, two inbox entries, every field named) and takes ~360
+//! row, the sender's membership, two inbox entries, every field named) and takes ~370
 //! here, and a commit's time grows with its bytes (BENCHMARKS.md, nineteenth session).
 //!
 //! Positional fields set two rules for the types a record holds (`pigeon_core::changes`
