@@ -47,6 +47,8 @@ pub struct App {
     pub shutdown: tokio::sync::watch::Sender<bool>,
     pub rooms: Arc<crate::rooms::Rooms>,
     pub limits: crate::limits::RateLimits,
+    /// Bytes of HTTP answers each user's clients have not read yet (`api::unread`).
+    pub unread_answers: Arc<crate::api::unread::UnreadAnswers>,
 }
 
 pub type AppRef = Arc<App>;

@@ -142,6 +142,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         shutdown,
         rooms: Arc::new(crate::rooms::Rooms::default()),
         limits: crate::limits::RateLimits::new(send_rate),
+        unread_answers: Default::default(),
     });
     let router = crate::api::router(app.clone());
     tokio::spawn(crate::rooms::run_flusher(

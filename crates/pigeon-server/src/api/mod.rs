@@ -7,6 +7,7 @@ mod groups;
 mod messages;
 mod ops;
 mod rooms;
+pub mod unread;
 
 use crate::app::AppRef;
 use crate::auth::bearer;
@@ -93,6 +94,10 @@ pub fn router(app: AppRef) -> Router {
         )
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            unread::bounded,
+        ))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         // A body must come within as long as a head may (`serve::HEADER_READ_TIMEOUT`): a
         // client cannot hold a handler with a half-sent body either. This bounds each wait
@@ -159,7 +164,16 @@ impl FromRequestParts<AppRef> for AuthUser {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
-        app.authenticate(bearer_token(parts)?).await.map(AuthUser)
+        let user = app.authenticate(bearer_token(parts)?).await?;
+        answered_to(parts, user);
+        Ok(AuthUser(user))
+    }
+}
+
+/// Counts the request's answer against `user` (`unread::bounded`).
+fn answered_to(parts: &Parts, user: UserId) {
+    if let Some(caller) = parts.extensions.get::<unread::Caller>() {
+        caller.set(user);
     }
 }
 
@@ -194,6 +208,7 @@ impl FromRequestParts<AppRef> for AuthSession {
     async fn from_request_parts(parts: &mut Parts, app: &AppRef) -> Result<Self, Self::Rejection> {
         let token = bearer_token(parts)?;
         let user = app.authenticate(token).await?;
+        answered_to(parts, user);
         Ok(AuthSession {
             user,
             token: token.to_owned(),

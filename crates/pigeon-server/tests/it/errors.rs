@@ -1492,3 +1492,107 @@ async fn a_request_head_over_64_kib_is_refused_with_431() {
         assert_eq!(body["code"], "payload_too_large", "{body}");
     }
 }
+
+/// An HTTP answer is held in memory until its client reads it, so what one user's clients
+/// leave unread is bounded (64 MiB, `api::unread`): past it a request is answered `429
+/// rate_limited` with `retry_after_ms`, and answered again once the client reads, or drops,
+/// what it left.
+#[tokio::test]
+async fn answers_a_user_leaves_unread_are_bounded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = spawn_server().await;
+    let alice = s.user(1).await;
+    s.user(2).await;
+    let token = s.token(1).await;
+    // Control characters are escaped as `\u0001` in JSON: a page of 100 such messages of
+    // 64 KiB is ~39 MB, more than the kernel's socket buffers take.
+    let content = "\u{1}".repeat(s.cfg.max_content_bytes);
+    let mut conv = String::new();
+    for i in 0..100 {
+        let ack = alice
+            .post(
+                "/v1/messages",
+                &text_to_user(&format!("big-{i}"), 2, &content),
+            )
+            .await
+            .unwrap();
+        conv = ack["conversation_id"].as_str().unwrap().to_owned();
+    }
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let request = format!(
+        "GET /v1/conversations/{conv}/messages?limit=100 HTTP/1.1\r\nHost: pigeon\r\n\
+         Authorization: Bearer {token}\r\n\r\n"
+    );
+    let app = s.running.as_ref().unwrap().app.clone();
+    let held = || {
+        app.unread_answers
+            .held_by(pigeon_proto::UserId::new(1).unwrap())
+    };
+
+    // The first page is taken by the server and left unread.
+    let mut unread = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    unread.write_all(request.as_bytes()).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while held() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the page is not made");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(held() > 30 << 20, "the page is ~39 MB: {}", held());
+
+    // A second one would take the user past the bound: refused, with a small answer.
+    let (status, body) = alice
+        .raw(
+            reqwest::Method::GET,
+            &format!("/v1/conversations/{conv}/messages?limit=100"),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (429, Some("rate_limited")),
+        "{body}"
+    );
+    assert!(body["retry_after_ms"].as_u64().unwrap() > 0, "{body}");
+    // Small answers still fit beside the unread page.
+    alice.get("/v1/unread").await.unwrap();
+    // Another user's answers are theirs.
+    s.user(2)
+        .await
+        .get(&format!("/v1/conversations/{conv}/messages?limit=100"))
+        .await
+        .unwrap();
+
+    // Once the client reads its page, the user is answered again.
+    let mut sink = vec![0u8; 1 << 20];
+    let mut read = 0usize;
+    while held() > 0 {
+        let n = tokio::time::timeout(Duration::from_secs(10), unread.read(&mut sink))
+            .await
+            .expect("the page comes")
+            .unwrap();
+        assert!(n > 0, "the page is cut short after {read} bytes");
+        read += n;
+    }
+    let page = alice
+        .get(&format!("/v1/conversations/{conv}/messages?limit=100"))
+        .await
+        .unwrap();
+    assert_eq!(page["messages"].as_array().unwrap().len(), 100);
+
+    // A client that drops its connection instead gives its answer's bytes back too.
+    let mut dropped = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    dropped.write_all(request.as_bytes()).await.unwrap();
+    while held() == 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(dropped);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while held() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a dropped answer is still counted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
