@@ -1532,11 +1532,7 @@ async fn answers_a_user_leaves_unread_are_bounded() {
     // The first page is taken by the server and left unread.
     let mut unread = tokio::net::TcpStream::connect(&addr).await.unwrap();
     unread.write_all(request.as_bytes()).await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while held() == 0 {
-        assert!(std::time::Instant::now() < deadline, "the page is not made");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    within_10s(|| held() > 0, "the page is not made").await;
     assert!(held() > 30 << 20, "the page is ~39 MB: {}", held());
 
     // A second one would take the user past the bound: refused, with a small answer.
@@ -1583,16 +1579,16 @@ async fn answers_a_user_leaves_unread_are_bounded() {
     // A client that drops its connection instead gives its answer's bytes back too.
     let mut dropped = tokio::net::TcpStream::connect(&addr).await.unwrap();
     dropped.write_all(request.as_bytes()).await.unwrap();
-    while held() == 0 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    within_10s(|| held() > 0, "the second page is not made").await;
     drop(dropped);
+    within_10s(|| held() == 0, "a dropped answer is still counted").await;
+}
+
+/// Waits for `done`, failing with `what` after 10 s.
+async fn within_10s(done: impl Fn() -> bool, what: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while held() > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a dropped answer is still counted"
-        );
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
