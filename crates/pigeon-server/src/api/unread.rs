@@ -6,16 +6,17 @@
 //! stall limit closes its connection (30 s or more, `serve::write_stall_limit`). Without a
 //! bound per user, one account with a few hundred connections that never read could hold
 //! gigabytes. So each authenticated answer counts its bytes against its user until its body
-//! is written (or dropped with its connection); an answer that would take a user past
-//! [`MAX_UNREAD_BYTES_PER_USER`] while others are still unread is not made: the request is
-//! answered `429 rate_limited` instead (nothing it did is undone: a write is done, only its
-//! answer is lost, as when a connection drops; retrying a send with its `client_msg_id` is
-//! safe). One answer alone always goes, however large.
+//! is written (or dropped with its connection); a read (`GET`) whose answer would take a
+//! user past [`MAX_UNREAD_BYTES_PER_USER`] while others are still unread is answered `429
+//! rate_limited` instead, safe to retry. The answer of a write is small and always goes
+//! (counted all the same), so that no client is told a write failed that was done. One
+//! answer alone always goes, however large.
 
 use crate::app::AppRef;
 use crate::error::ApiError;
 use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{Request, State};
+use axum::http::Method;
 use axum::response::{IntoResponse, Response};
 use pigeon_proto::{ErrorCode, UserId};
 use std::collections::HashMap;
@@ -36,12 +37,12 @@ pub struct UnreadAnswers {
 }
 
 impl UnreadAnswers {
-    /// Counts `bytes` against `user`, unless that would take them past the bound while
-    /// other answers of theirs are still unread.
-    fn take(self: &Arc<Self>, user: UserId, bytes: usize) -> Option<Ticket> {
+    /// Counts `bytes` against `user`, unless `may_refuse` and that would take them past the
+    /// bound while other answers of theirs are still unread.
+    fn take(self: &Arc<Self>, user: UserId, bytes: usize, may_refuse: bool) -> Option<Ticket> {
         let mut held = self.held.lock().expect("unread answers lock");
         let now = held.entry(user).or_default();
-        if *now > 0 && *now + bytes > MAX_UNREAD_BYTES_PER_USER {
+        if may_refuse && *now > 0 && *now + bytes > MAX_UNREAD_BYTES_PER_USER {
             return None;
         }
         *now += bytes;
@@ -97,12 +98,13 @@ pub async fn bounded(
 ) -> Response {
     let caller = Caller::default();
     req.extensions_mut().insert(caller.clone());
+    let reads_only = req.method() == Method::GET || req.method() == Method::HEAD;
     let response = next.run(req).await;
     let Some(&user) = caller.0.get() else {
         return response;
     };
     let bytes = usize::try_from(response.body().size_hint().lower()).unwrap_or(usize::MAX);
-    match app.unread_answers.take(user, bytes) {
+    match app.unread_answers.take(user, bytes, reads_only) {
         Some(ticket) => response.map(|body| {
             Body::new(Counted {
                 body,
@@ -188,25 +190,28 @@ mod tests {
         let answers = Arc::new(UnreadAnswers::default());
         let (alice, bob) = (UserId::new(1).unwrap(), UserId::new(2).unwrap());
         let half = MAX_UNREAD_BYTES_PER_USER / 2;
-        let first = answers.take(alice, half).expect("under the bound");
-        let second = answers.take(alice, half).expect("at the bound");
-        assert!(answers.take(alice, 1).is_none(), "past the bound");
+        let first = answers.take(alice, half, true).expect("under the bound");
+        let second = answers.take(alice, half, true).expect("at the bound");
+        assert!(answers.take(alice, 1, true).is_none(), "past the bound");
         assert!(
-            answers.take(bob, 1).is_some(),
+            answers.take(bob, 1, true).is_some(),
             "another user's bound is theirs"
         );
         drop(first);
         assert_eq!(answers.held_by(alice), half);
         let third = answers
-            .take(alice, half)
+            .take(alice, half, true)
             .expect("room again once one is read");
         drop((second, third));
         assert_eq!(answers.held_by(alice), 0, "nothing left counted");
         let huge = answers
-            .take(alice, 4 * MAX_UNREAD_BYTES_PER_USER)
+            .take(alice, 4 * MAX_UNREAD_BYTES_PER_USER, true)
             .expect("one answer alone always goes");
-        assert!(answers.take(alice, 1).is_none());
-        drop(huge);
+        assert!(answers.take(alice, 1, true).is_none());
+        let write = answers
+            .take(alice, 100, false)
+            .expect("a write's answer always goes");
+        drop((huge, write));
         assert!(answers.held.lock().unwrap().is_empty(), "no entry kept");
     }
 
@@ -220,7 +225,7 @@ mod tests {
         let mut body = Counted {
             body: Body::from(data.clone()),
             rest: Bytes::new(),
-            _ticket: answers.take(user, data.len()).unwrap(),
+            _ticket: answers.take(user, data.len(), true).unwrap(),
         };
         assert_eq!(body.size_hint().exact(), Some(data.len() as u64));
         let mut got = Vec::new();
