@@ -569,9 +569,11 @@ pub fn receipts(
         .prepare_cached("SELECT sender FROM messages WHERE conversation_id = ?1 AND seq = ?2")?
         .query_row(params![conv.as_str(), seq_arg(seq)], |r| r.get(0))
         .optional()?;
+    // A member who joined after the message has read it (PROTOCOL.md 6: a member who joins
+    // has read everything sent before they joined).
     let mut st = c.prepare_cached(
-        "SELECT user_id, last_read_seq >= ?2 FROM members WHERE conversation_id = ?1 AND left_seq IS NULL \
-         AND joined_seq <= ?2 ORDER BY user_id",
+        "SELECT user_id, last_read_seq >= ?2 OR joined_seq > ?2 FROM members \
+         WHERE conversation_id = ?1 AND left_seq IS NULL ORDER BY user_id",
     )?;
     let (mut read, mut unread) = (Vec::new(), Vec::new());
     let rows = st.query_map(params![conv.as_str(), seq_arg(seq)], |r| {

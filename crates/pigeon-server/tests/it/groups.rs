@@ -1552,3 +1552,40 @@ async fn an_invitation_of_no_one_or_over_1000_users_is_refused() {
     let g = alice.get(&format!("/v1/conversations/{id}")).await.unwrap();
     assert_eq!(g["member_count"], 3, "{g}");
 }
+
+/// PROTOCOL.md 6: a member who joins a group has read everything sent before they joined,
+/// so the receipts of an earlier message list them among its readers.
+#[tokio::test]
+async fn a_member_who_joined_later_has_read_what_came_before() {
+    let s = spawn_server().await;
+    let (ta, tb, _) = (s.token(111).await, s.token(222).await, s.token(333).await);
+    let alice = s.anon().with_bearer(ta);
+    let bob = s.anon().with_bearer(tb);
+    let id = new_group(&alice, &[222]).await;
+    let sent = alice
+        .post("/v1/messages", &text_to_conv("before-carol", &id, "hi bob"))
+        .await
+        .unwrap();
+    let seq = sent["seq"].as_u64().unwrap();
+    invite(&bob, &id, &[333]).await.unwrap();
+    let receipts = alice
+        .get(&format!("/v1/conversations/{id}/receipts?seq={seq}"))
+        .await
+        .unwrap();
+    assert_eq!(receipts["read"], json!([333]), "{receipts}");
+    assert_eq!(receipts["unread"], json!([222]), "{receipts}");
+    // A message after the join is theirs to read like anyone's.
+    let after = alice
+        .post("/v1/messages", &text_to_conv("after-carol", &id, "hi all"))
+        .await
+        .unwrap();
+    let receipts = alice
+        .get(&format!(
+            "/v1/conversations/{id}/receipts?seq={}",
+            after["seq"]
+        ))
+        .await
+        .unwrap();
+    assert_eq!(receipts["read"], json!([]), "{receipts}");
+    assert_eq!(receipts["unread"], json!([222, 333]), "{receipts}");
+}
