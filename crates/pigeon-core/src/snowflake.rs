@@ -5,6 +5,7 @@
 pub const EPOCH_MS: i64 = 1_704_067_200_000;
 const NODE_BITS: u32 = 10;
 const SEQ_BITS: u32 = 12;
+const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
 
 /// Hands out strictly increasing ids. Owned by one thread (the writer), so it needs no lock.
 #[derive(Debug)]
@@ -35,9 +36,14 @@ impl Snowflake {
     pub fn next(&mut self, now_ms: i64) -> u64 {
         let ms = (now_ms - EPOCH_MS).max(0) as u64;
         let candidate = (ms << (NODE_BITS + SEQ_BITS)) | (self.node << SEQ_BITS);
-        // Same millisecond (or a clock that went back): keep counting past the last id.
+        // Same millisecond (or a clock that went back): keep counting past the last id. Past
+        // the sequence's last value the count moves on to the next millisecond, never into
+        // the node bits, where it would make another node's ids.
         let id = if candidate > self.last {
             candidate
+        } else if self.last & SEQ_MASK == SEQ_MASK {
+            ((self.last >> (NODE_BITS + SEQ_BITS)) + 1) << (NODE_BITS + SEQ_BITS)
+                | (self.node << SEQ_BITS)
         } else {
             self.last + 1
         };
@@ -59,6 +65,19 @@ mod tests {
         assert!(a < b && b < c);
         let mut restarted = Snowflake::new(1, c);
         assert!(restarted.next(EPOCH_MS) > c);
+    }
+
+    #[test]
+    fn more_ids_in_a_millisecond_than_its_sequence_holds_keep_the_node() {
+        let mut s = Snowflake::new(5, 0);
+        let now = EPOCH_MS + 1000;
+        let ids: Vec<u64> = (0..10_000).map(|_| s.next(now)).collect();
+        assert!(ids.windows(2).all(|w| w[1] > w[0]));
+        assert!(
+            ids.iter()
+                .all(|id| (id >> SEQ_BITS) & ((1 << NODE_BITS) - 1) == 5),
+            "an id carried into the node bits"
+        );
     }
 
     #[test]

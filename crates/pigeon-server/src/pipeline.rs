@@ -1084,18 +1084,21 @@ async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
 }
 
 /// The time each decision step stamps on what it decides (`created_at`, a conversation's
-/// `updated_at`): the wall clock, but always later than the previous step's, so that what is
-/// decided later is never older (the conversation list orders by `updated_at`, and two
-/// sends a millisecond apart must not tie or swap; a time-bounded history page finds its
-/// seqs by a binary search on `created_at`). Commands decided together share it.
+/// `updated_at`): the wall clock, but never earlier than the previous step's, so that what
+/// is decided later is never older (a time-bounded history page finds its seqs by a binary
+/// search on `created_at`). Steps within one millisecond share it: a stamp that had to be
+/// later than the one before would gain on the wall clock whenever steps come faster than
+/// one a millisecond, and keep the lead. Order is by `seq`; message ids stay unique by their
+/// sequence bits, and the conversation list breaks a tie of `updated_at` by the newest
+/// message id. Commands decided together share it.
 #[derive(Default)]
 struct DecisionClock {
     last: i64,
 }
 
 impl DecisionClock {
-    /// A clock whose first step is later than `newest` (the store's newest message), so that
-    /// a wall clock set back across a restart does not step it back: time-bounded history
+    /// A clock whose first step is no earlier than `newest` (the store's newest message), so
+    /// that a wall clock set back across a restart does not step it back: time-bounded history
     /// pages rely on `created_at` never decreasing along a conversation's seqs. A store
     /// stamped far ahead (a clock that was wrong) holds stamps ahead until the wall clock
     /// catches up, as message ids do; that is said once, at start.
@@ -1112,7 +1115,7 @@ impl DecisionClock {
     }
 
     fn next(&mut self) -> i64 {
-        self.last = now_ms().max(self.last + 1);
+        self.last = now_ms().max(self.last);
         self.last
     }
 }
@@ -1779,12 +1782,19 @@ mod tests {
     }
 
     #[test]
-    fn each_decision_step_is_stamped_later_than_the_one_before() {
+    fn decision_stamps_never_go_back_nor_run_ahead_of_the_clock() {
         let mut clock = DecisionClock::default();
-        let stamps: Vec<i64> = (0..1000).map(|_| clock.next()).collect();
-        // A thousand steps take well under a millisecond each: without the clock they tie.
-        assert!(stamps.windows(2).all(|w| w[1] > w[0]));
-        assert!(stamps[0] >= now_ms() - 10_000);
+        // Far more steps than milliseconds pass: a clock that stamps each step later than
+        // the one before would end seconds ahead.
+        let stamps: Vec<i64> = (0..20_000).map(|_| clock.next()).collect();
+        let after = now_ms();
+        assert!(stamps.windows(2).all(|w| w[1] >= w[0]));
+        assert!(stamps[0] >= after - 10_000);
+        assert!(
+            *stamps.last().unwrap() <= after,
+            "{} ms ahead of the wall clock",
+            stamps.last().unwrap() - after
+        );
     }
 
     #[test]
@@ -1796,15 +1806,15 @@ mod tests {
             pigeon_core::snowflake::Snowflake::new(0, 0).next(newest),
         );
         let mut clock = DecisionClock::after(engine.newest_id_ms());
-        assert_eq!(clock.next(), newest + 1);
-        assert_eq!(clock.next(), newest + 2);
+        assert_eq!(clock.next(), newest);
+        assert_eq!(clock.next(), newest);
     }
 
     /// The pipeline's clock starts past the newest id it is given (the store's, at start),
     /// so a send after a restart whose wall clock went back is stamped later than what came
-    /// before.
+    /// before (or at the same millisecond: never earlier).
     #[tokio::test]
-    async fn a_send_after_the_clock_went_back_is_stamped_after_the_newest_message() {
+    async fn a_send_after_the_clock_went_back_is_not_stamped_before_the_newest_message() {
         // The store's newest message was stamped ten minutes ahead of this wall clock.
         let newest = now_ms() + 600_000;
         let floor = pigeon_core::snowflake::Snowflake::new(0, 0).next(newest);
@@ -1813,12 +1823,13 @@ mod tests {
         let first = send(&pipeline, 1, 2, "after-1").await;
         let second = send(&pipeline, 2, 1, "after-2").await;
         assert!(
-            first.created_at > newest,
-            "{} <= {newest}",
+            first.created_at >= newest,
+            "{} < {newest}",
             first.created_at
         );
-        assert!(second.created_at > first.created_at);
+        assert!(second.created_at >= first.created_at);
         assert!(first.msg_id.get() > floor);
+        assert!(second.msg_id.get() > first.msg_id.get());
     }
 
     #[test]
