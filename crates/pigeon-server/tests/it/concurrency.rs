@@ -358,3 +358,76 @@ async fn the_first_writes_after_a_restart_continue_every_inbox() {
 async fn as_member_history(s: &TestServer, user: u64, conv: &str) -> Vec<Value> {
     s.user(user).await.whole_history(conv).await.unwrap()
 }
+
+/// The wall clock now, in the protocol's milliseconds.
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Under a sustained load of many more decisions a second than there are milliseconds,
+/// message times keep to the wall clock: every `created_at` lies between the send and its
+/// acknowledgement (it is stamped when the send is decided, ahead of the clock by at most
+/// 100 ms, which allows for nothing but the clock's own steps), and along each conversation
+/// it never goes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_times_keep_to_the_wall_clock_under_load() {
+    const SENDERS: u64 = 16;
+    // One send in flight per sender: each is decided in a step of its own or nearly, so the
+    // steps far outnumber the milliseconds.
+    const WINDOW: i64 = 1;
+    const RUN: Duration = Duration::from_secs(5);
+    let s = spawn_server().await;
+    let started = std::time::Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..SENDERS {
+        // Each sender has a single chat of its own with one peer.
+        let (me, peer) = (2000 + 2 * i, 2001 + 2 * i);
+        s.token(peer).await;
+        let mut ws = s.ws(&s.token(me).await, "load").await;
+        tasks.push(tokio::spawn(async move {
+            let (mut sent, mut worst_lead) = (0i64, i64::MIN);
+            let mut last_created = 0;
+            while started.elapsed() < RUN {
+                let before = wall_ms();
+                let burst = sends_to_user(&format!("t{me}-{sent}"), peer, WINDOW, sent);
+                ws.send_burst(burst).await.unwrap();
+                let mut acked = 0;
+                while acked < WINDOW {
+                    let f = ws.recv(Duration::from_secs(30)).await.unwrap().unwrap();
+                    assert_ne!(f["type"], "error", "{f}");
+                    if f["type"] != "send_ack" {
+                        continue;
+                    }
+                    let created = f["created_at"].as_i64().unwrap();
+                    let after = wall_ms();
+                    worst_lead = worst_lead.max(created - after);
+                    assert!(
+                        created >= before,
+                        "stamped {} ms before its send",
+                        before - created
+                    );
+                    assert!(created >= last_created, "times went back along the chat");
+                    last_created = created;
+                    acked += 1;
+                }
+                sent += WINDOW;
+            }
+            (sent, worst_lead)
+        }));
+    }
+    let (mut sent, mut lead) = (0, i64::MIN);
+    for t in tasks {
+        let (n, l) = t.await.unwrap();
+        sent += n;
+        lead = lead.max(l);
+    }
+    let rate = sent as f64 / started.elapsed().as_secs_f64();
+    eprintln!("{sent} sends at {rate:.0}/s: created_at at most {lead} ms ahead of the clock");
+    assert!(
+        lead <= 100,
+        "created_at ran {lead} ms ahead of the wall clock"
+    );
+}
