@@ -66,6 +66,15 @@ pub struct ServeArgs {
     /// Most WebSocket connections one user may hold at once, over all their devices; one more is refused with 429 `rate_limited` [default: 100]
     #[arg(long, env = "PIGEON_MAX_CONNECTIONS_PER_USER")]
     pub max_connections_per_user: Option<usize>,
+    /// Frames one WebSocket connection may have waiting to be written, in KiB; past it the connection is closed (1013) and its client catches up by sync and pull [default: 8192]
+    #[arg(long, env = "PIGEON_MAX_OUTBOX_KIB")]
+    pub max_outbox_kib: Option<usize>,
+    /// Frames one user's connections may hold together (waiting, or kept for resending; a frame shared by their devices counts once), in KiB; past it their connections that are behind by more than their share are closed [default: 16384]
+    #[arg(long, env = "PIGEON_MAX_OUTBOX_KIB_PER_USER")]
+    pub max_outbox_kib_per_user: Option<usize>,
+    /// Frames all connections may hold together (a frame shared by several counts once), in MiB; past it the connections that are behind by more than their share are closed [default: 64]
+    #[arg(long, env = "PIGEON_MAX_OUTBOX_MIB_TOTAL")]
+    pub max_outbox_mib_total: Option<usize>,
     /// Longest token lifetime the admin API mints, in seconds [default: 31536000, a year]
     #[arg(long, env = "PIGEON_MAX_TOKEN_TTL_SECS")]
     pub max_token_ttl_secs: Option<u64>,
@@ -144,6 +153,12 @@ struct FileConfig {
     max_open_connections: Option<usize>,
     #[serde(alias = "max-connections-per-user")]
     max_connections_per_user: Option<usize>,
+    #[serde(alias = "max-outbox-kib")]
+    max_outbox_kib: Option<usize>,
+    #[serde(alias = "max-outbox-kib-per-user")]
+    max_outbox_kib_per_user: Option<usize>,
+    #[serde(alias = "max-outbox-mib-total")]
+    max_outbox_mib_total: Option<usize>,
     #[serde(alias = "max-token-ttl-secs")]
     max_token_ttl_secs: Option<u64>,
     #[serde(alias = "send-rate-per-sec")]
@@ -172,6 +187,9 @@ pub struct Config {
     /// `None`: what the open-file limit leaves (`open_files::connections_for`).
     pub max_open_connections: Option<usize>,
     pub max_connections_per_user: usize,
+    pub max_outbox_kib: usize,
+    pub max_outbox_kib_per_user: usize,
+    pub max_outbox_mib_total: usize,
     pub max_token_ttl_secs: u64,
     pub offline_webhook_url: Option<String>,
     pub offline_webhook_timeout_ms: u64,
@@ -195,6 +213,9 @@ impl Default for Config {
             max_connections: 100_000,
             max_open_connections: None,
             max_connections_per_user: 100,
+            max_outbox_kib: 8 * 1024,
+            max_outbox_kib_per_user: 16 * 1024,
+            max_outbox_mib_total: 64,
             max_token_ttl_secs: 365 * 86_400,
             offline_webhook_url: None,
             offline_webhook_timeout_ms: 2_000,
@@ -221,6 +242,15 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// What connections' outboxes may hold, in bytes (see `outbox.rs`).
+    pub fn outbox_bounds(&self) -> crate::outbox::OutboxBounds {
+        crate::outbox::OutboxBounds {
+            connection: self.max_outbox_kib.saturating_mul(1024),
+            user: self.max_outbox_kib_per_user.saturating_mul(1024),
+            server: self.max_outbox_mib_total.saturating_mul(1 << 20),
+        }
+    }
+
     /// Merges flags/env over the file over the defaults, then checks the result.
     pub fn resolve(args: &ServeArgs) -> Result<Config, ConfigError> {
         let file = match &args.config {
@@ -283,6 +313,18 @@ impl Config {
                 .max_connections_per_user
                 .or(file.max_connections_per_user)
                 .unwrap_or(d.max_connections_per_user),
+            max_outbox_kib: args
+                .max_outbox_kib
+                .or(file.max_outbox_kib)
+                .unwrap_or(d.max_outbox_kib),
+            max_outbox_kib_per_user: args
+                .max_outbox_kib_per_user
+                .or(file.max_outbox_kib_per_user)
+                .unwrap_or(d.max_outbox_kib_per_user),
+            max_outbox_mib_total: args
+                .max_outbox_mib_total
+                .or(file.max_outbox_mib_total)
+                .unwrap_or(d.max_outbox_mib_total),
             max_token_ttl_secs: args
                 .max_token_ttl_secs
                 .or(file.max_token_ttl_secs)
@@ -333,6 +375,14 @@ impl Config {
         }
         if self.max_connections_per_user == 0 {
             return invalid("max-connections-per-user must be at least 1");
+        }
+        if self.max_outbox_kib == 0
+            || self.max_outbox_kib_per_user == 0
+            || self.max_outbox_mib_total == 0
+        {
+            return invalid(
+                "max-outbox-kib, max-outbox-kib-per-user and max-outbox-mib-total must be at least 1",
+            );
         }
         Ok(())
     }

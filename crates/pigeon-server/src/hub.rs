@@ -1,164 +1,19 @@
 //! The push hub: which devices of which users are connected to this node, and the delivery
-//! of frames to them. Every connection has a bounded outbox; a connection whose outbox is
-//! full is told to close (its client will reconnect and pull), so a slow reader never makes
-//! the server hold more memory.
+//! of frames to them. Every connection has a bounded outbox (`outbox.rs`); a connection
+//! whose outbox is past its bounds is told to close (its client will reconnect and pull),
+//! so a slow reader never makes the server hold more memory.
 
+use crate::outbox::{
+    Budget, Frame, KillReason, Outbox, OutboxBounds, OutboxReader, Outgoing, PushChain,
+};
 use crate::webhook::{Notice, OfflineHook};
-use axum::extract::ws::Utf8Bytes;
 use pigeon_core::changes::Event;
 use pigeon_proto::frames::{ServerFrame, msg_frame};
 use pigeon_proto::{ConversationId, DeviceId, MessageKind, MsgId, UserId};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::Notify;
-
-/// Frames a connection's outbox may hold before the connection counts as too slow.
-pub const OUTBOX_CAPACITY: usize = 4096;
-
-/// What is queued for a connection.
-#[derive(Debug)]
-pub enum Outgoing {
-    /// A frame sent once.
-    Frame(Utf8Bytes),
-    /// A message push, kept until acknowledged and resent if it is not. The text is shared
-    /// (reference-counted) by every recipient that gets the same bytes.
-    Push { chain: PushChain, frame: Utf8Bytes },
-    /// Another connection of this device opened: save the acknowledged positions now (they
-    /// are otherwise saved every second), and say so once they are queued for the store.
-    /// This one may be half-open (a socket gone without a word), its acks the device's
-    /// latest.
-    SaveCursors(tokio::sync::oneshot::Sender<()>),
-    /// The message was recalled or edited: stop resending an earlier push of it, which
-    /// would show again what its sender took back (the client that lacks it finds the
-    /// hole and pulls it as it is now).
-    Forget(MsgId),
-}
-
-/// The chain position a push is acknowledged by.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum PushChain {
-    Inbox(u64),
-    Conversation(ConversationId, u64),
-}
-
-/// One connection's outbox: the frames queued for it, and its kill switch. The sending side
-/// ([`Outbox`]) is cloned wherever frames come from; the connection's task holds the
-/// one [`OutboxReader`]. One allocation per connection, and a queue buffer only while
-/// frames wait: a bounded tokio channel allocated a block of 32 slots (~2.4 KB) up front,
-/// a fifth of what every idle connection cost.
-#[derive(Clone)]
-pub struct Outbox(Arc<OutboxShared>);
-
-/// The receiving side of an [`Outbox`]; dropping it (the connection ended) drops what is
-/// queued and every frame sent after.
-pub struct OutboxReader(Arc<OutboxShared>);
-
-struct OutboxShared {
-    state: Mutex<OutboxState>,
-    /// Woken when a frame is queued.
-    ready: Notify,
-    /// Woken when the connection must close (too slow, logged out).
-    kill: Notify,
-}
-
-#[derive(Default)]
-struct OutboxState {
-    frames: VecDeque<Outgoing>,
-    /// The reader is gone: frames are dropped.
-    closed: bool,
-    kill_reason: Option<KillReason>,
-}
-
-/// Queue capacity an empty outbox keeps; a larger one (left by a burst) is given back.
-const OUTBOX_KEEP_CAPACITY: usize = 64;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KillReason {
-    TooSlow,
-    TokenRevoked,
-}
-
-impl Outbox {
-    pub fn new() -> (Outbox, OutboxReader) {
-        let shared = Arc::new(OutboxShared {
-            state: Mutex::new(OutboxState::default()),
-            ready: Notify::new(),
-            kill: Notify::new(),
-        });
-        (Outbox(shared.clone()), OutboxReader(shared))
-    }
-
-    /// Queues without waiting; a full outbox closes the connection.
-    pub fn send(&self, out: Outgoing) {
-        let mut state = self.0.state.lock().expect("outbox lock");
-        if state.closed {
-            return;
-        }
-        // A request to save positions is not a frame: a connection too slow for frames still
-        // takes it (at most one per other connection of its device that opens).
-        if state.frames.len() >= OUTBOX_CAPACITY && !matches!(out, Outgoing::SaveCursors(_)) {
-            drop(state);
-            self.close(KillReason::TooSlow);
-            return;
-        }
-        state.frames.push_back(out);
-        drop(state);
-        self.0.ready.notify_one();
-    }
-
-    /// Tells the connection to close, for the first reason given.
-    pub fn close(&self, reason: KillReason) {
-        let mut state = self.0.state.lock().expect("outbox lock");
-        state.kill_reason.get_or_insert(reason);
-        drop(state);
-        self.0.kill.notify_one();
-    }
-
-    /// Completes once the connection is told to close (see [`Outbox::kill_reason`]).
-    pub async fn killed(&self) {
-        self.0.kill.notified().await;
-    }
-
-    pub fn kill_reason(&self) -> Option<KillReason> {
-        self.0.state.lock().expect("outbox lock").kill_reason
-    }
-}
-
-impl OutboxReader {
-    /// The next queued frame, once there is one. Cancel-safe: a frame leaves the queue only
-    /// when it is returned.
-    pub async fn recv(&mut self) -> Outgoing {
-        loop {
-            if let Some(out) = self.try_recv() {
-                return out;
-            }
-            // A frame queued since the look above left a permit: this completes at once.
-            self.0.ready.notified().await;
-        }
-    }
-
-    pub fn try_recv(&mut self) -> Option<Outgoing> {
-        let mut state = self.0.state.lock().expect("outbox lock");
-        let out = state.frames.pop_front();
-        if out.is_none() && state.frames.capacity() > OUTBOX_KEEP_CAPACITY {
-            state.frames = VecDeque::new();
-        }
-        out
-    }
-}
-
-impl Drop for OutboxReader {
-    fn drop(&mut self) {
-        let frames = {
-            let mut state = self.0.state.lock().expect("outbox lock");
-            state.closed = true;
-            std::mem::take(&mut state.frames)
-        };
-        // Dropped outside the lock: up to OUTBOX_CAPACITY frames.
-        drop(frames);
-    }
-}
 
 struct Conn {
     id: u64,
@@ -184,6 +39,9 @@ pub struct Hub {
     /// Receipts per (conversation, reader) within the last [`RECEIPT_FLUSH_EVERY`]: when
     /// one last went out, and the newest held back since (see [`Hub::publish`]'s receipts).
     receipts: Mutex<HashMap<(ConversationId, UserId), ReceiptPace>>,
+    /// What the outboxes of this node may hold (see `outbox.rs`), and what they hold.
+    bounds: OutboxBounds,
+    frames: Arc<Budget>,
 }
 
 /// One reader's receipts in one conversation, paced.
@@ -222,6 +80,8 @@ impl Default for Hub {
             waiting: AtomicUsize::new(0),
             offline: None,
             receipts: Mutex::new(HashMap::new()),
+            bounds: OutboxBounds::default(),
+            frames: Budget::new(OutboxBounds::default().server),
         }
     }
 }
@@ -261,6 +121,15 @@ impl Drop for Admission {
     }
 }
 
+/// A connection just registered: its place in the hub, its outbox's two sides, and the
+/// answers of the device's other connections asked to save their positions.
+pub struct Registered {
+    pub registration: Registration,
+    pub outbox: Outbox,
+    pub reader: OutboxReader,
+    pub sibling_saves: Vec<tokio::sync::oneshot::Receiver<()>>,
+}
+
 /// Removes its connection from the hub when dropped.
 pub struct Registration {
     hub: Arc<Hub>,
@@ -290,12 +159,20 @@ impl Drop for Registration {
 }
 
 impl Hub {
-    /// A hub that notifies `offline` of messages reaching users with no connected device.
-    pub fn with_offline_hook(offline: Option<OfflineHook>) -> Hub {
+    /// A hub that notifies `offline` of messages reaching users with no connected device,
+    /// whose outboxes hold frames within `bounds`.
+    pub fn new(offline: Option<OfflineHook>, bounds: OutboxBounds) -> Hub {
         Hub {
             offline,
+            bounds,
+            frames: Budget::new(bounds.server),
             ..Hub::default()
         }
+    }
+
+    /// Bytes of frame text this node's outboxes hold (queued, or kept for resending).
+    pub fn frame_bytes(&self) -> usize {
+        self.frames.held()
     }
 
     fn shard(&self, user: UserId) -> &RwLock<HashMap<UserId, Vec<Conn>>> {
@@ -330,40 +207,48 @@ impl Hub {
         })
     }
 
-    /// Registers a connection of `user`'s `device`. Every other connection of that device
+    /// Registers a connection of `user`'s `device`, with its outbox (within the user's
+    /// budget, which the user's connections share). Every other connection of that device
     /// still registered (ending, or half-open) is asked to save its acknowledged positions
     /// now; the answers say when each has queued them for the store.
-    pub fn register(
-        self: &Arc<Self>,
-        user: UserId,
-        device: DeviceId,
-        outbox: Outbox,
-    ) -> (Registration, Vec<tokio::sync::oneshot::Receiver<()>>) {
+    pub fn register(self: &Arc<Self>, user: UserId, device: DeviceId) -> Registered {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let saves = {
+        let (outbox, reader, saves) = {
             let mut shard = self.shard(user).write().expect("hub shard lock");
             // Most users hold one connection: a first push into an empty Vec would make
             // room for four (160 bytes kept by every idle connection, heaptrack).
             let conns = shard.entry(user).or_insert_with(|| Vec::with_capacity(1));
+            let budget = conns.first().map_or_else(
+                || Budget::new(self.bounds.user),
+                |c| c.outbox.user_budget().clone(),
+            );
+            let (outbox, reader) =
+                Outbox::within(self.bounds.connection, budget, self.frames.clone());
             let mut saves = Vec::new();
             for c in conns.iter().filter(|c| c.device == device) {
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 c.outbox.send(Outgoing::SaveCursors(tx));
                 saves.push(rx);
             }
-            conns.push(Conn { id, device, outbox });
-            saves
+            conns.push(Conn {
+                id,
+                device,
+                outbox: outbox.clone(),
+            });
+            (outbox, reader, saves)
         };
         self.connections.fetch_add(1, Ordering::Relaxed);
         metrics::gauge!("pigeon_connections").increment(1.0);
-        (
-            Registration {
+        Registered {
+            registration: Registration {
                 hub: self.clone(),
                 user,
                 id,
             },
-            saves,
-        )
+            outbox,
+            reader,
+            sibling_saves: saves,
+        }
     }
 
     /// Calls `f` with each connected device of `user`.
@@ -378,11 +263,12 @@ impl Hub {
     /// polls are woken, to find their token revoked.
     pub fn revoke(&self, user: UserId) {
         self.wake(user, false);
-        let frame: Utf8Bytes = ServerFrame::Kicked {
-            reason: "token_revoked".into(),
-        }
-        .to_json()
-        .into();
+        let frame = Frame::for_user(
+            ServerFrame::Kicked {
+                reason: "token_revoked".into(),
+            }
+            .to_json(),
+        );
         self.each(user, |c| {
             if c.outbox.kill_reason().is_none() {
                 c.outbox.send(Outgoing::Frame(frame.clone()));
@@ -398,7 +284,7 @@ impl Hub {
         frame: &str,
         except: Option<(UserId, &DeviceId)>,
     ) {
-        let shared = Utf8Bytes::from(frame.to_owned());
+        let shared = Frame::shared(frame.to_owned());
         for u in users {
             self.each(*u, |c| {
                 if except.is_some_and(|(eu, ed)| eu == *u && *ed == c.device) {
@@ -426,7 +312,7 @@ impl Hub {
                         .flatten();
                     // Read fan-out recipients all get the same bytes; built at the first one
                     // online, and each frame only for a recipient with a connected device.
-                    let mut shared: Option<Utf8Bytes> = None;
+                    let mut shared: Option<Frame> = None;
                     let notify_offline = self
                         .offline
                         .as_ref()
@@ -438,14 +324,14 @@ impl Hub {
                             (None, Some(c)) => PushChain::Conversation(c.clone(), message.seq),
                             (None, None) => continue,
                         };
-                        let mut frame: Option<Utf8Bytes> = None;
+                        let mut frame: Option<Frame> = None;
                         let mut online = false;
                         self.each(r.user, |c| {
                             online = true;
                             let frame = frame.get_or_insert_with(|| match r.user_seq {
-                                Some(_) => Utf8Bytes::from(msg_frame(&json, r.user_seq)),
+                                Some(_) => Frame::for_user(msg_frame(&json, r.user_seq)),
                                 None => shared
-                                    .get_or_insert_with(|| Utf8Bytes::from(msg_frame(&json, None)))
+                                    .get_or_insert_with(|| Frame::shared(msg_frame(&json, None)))
                                     .clone(),
                             });
                             if let Some(id) = changed {
@@ -677,92 +563,37 @@ impl Drop for Waiter {
 mod tests {
     use super::*;
 
-    fn frame(text: &str) -> Outgoing {
-        Outgoing::Frame(text.into())
-    }
-
     fn text(out: Outgoing) -> String {
         match out {
-            Outgoing::Frame(t) | Outgoing::Push { frame: t, .. } => t.to_string(),
+            Outgoing::Frame(t) | Outgoing::Push { frame: t, .. } => t.as_str().to_owned(),
             Outgoing::SaveCursors(_) => "(save cursors)".into(),
             Outgoing::Forget(id) => format!("(forget {id})"),
         }
     }
 
-    #[tokio::test]
-    async fn an_outbox_hands_frames_over_in_order_and_wakes_its_reader() {
-        let (outbox, mut reader) = Outbox::new();
-        assert!(reader.try_recv().is_none());
-        let waiting = tokio::spawn(async move {
-            let first = text(reader.recv().await);
-            let second = text(reader.recv().await);
-            (first, second, reader)
-        });
-        tokio::task::yield_now().await;
-        let sender = outbox.clone();
-        sender.send(frame("one"));
-        sender.send(frame("two"));
-        let (first, second, mut reader) = waiting.await.unwrap();
-        assert_eq!((first.as_str(), second.as_str()), ("one", "two"));
-        assert!(reader.try_recv().is_none());
-        assert_eq!(outbox.kill_reason(), None);
-    }
-
-    /// A `recv` dropped while it waits (another branch of a select won) loses nothing.
-    #[tokio::test]
-    async fn a_cancelled_recv_leaves_the_frame_queued() {
-        let (outbox, mut reader) = Outbox::new();
-        let mut recv = Box::pin(reader.recv());
-        assert!(
-            futures_util::FutureExt::now_or_never(&mut recv).is_none(),
-            "nothing queued yet"
-        );
-        // The frame wakes the waiting recv, which is dropped before it runs again.
-        outbox.send(frame("kept"));
-        drop(recv);
-        assert_eq!(text(reader.recv().await), "kept");
-        assert!(reader.try_recv().is_none());
-    }
-
-    #[tokio::test]
-    async fn a_full_outbox_closes_its_connection_as_too_slow() {
-        let (outbox, mut reader) = Outbox::new();
-        for i in 0..OUTBOX_CAPACITY {
-            outbox.send(frame(&i.to_string()));
-        }
-        assert_eq!(outbox.kill_reason(), None);
-        outbox.send(frame("one too many"));
-        assert_eq!(outbox.kill_reason(), Some(KillReason::TooSlow));
-        tokio::time::timeout(std::time::Duration::from_secs(5), outbox.killed())
-            .await
-            .expect("the connection is told");
-        // The first reason stays; what was queued is still there to write before closing.
-        outbox.close(KillReason::TokenRevoked);
-        assert_eq!(outbox.kill_reason(), Some(KillReason::TooSlow));
-        let mut n = 0;
-        while let Some(out) = reader.try_recv() {
-            assert_eq!(text(out), n.to_string());
-            n += 1;
-        }
-        assert_eq!(n, OUTBOX_CAPACITY);
-    }
-
+    /// A user's connections share one budget, each other user has their own, and every
+    /// outbox of the node is of the node's.
     #[test]
-    fn an_emptied_outbox_gives_its_buffer_back_and_a_gone_reader_takes_nothing() {
-        let (outbox, mut reader) = Outbox::new();
-        for i in 0..1000 {
-            outbox.send(frame(&i.to_string()));
-        }
-        while reader.try_recv().is_some() {}
-        assert!(reader.try_recv().is_none());
-        let capacity = |o: &Outbox| o.0.state.lock().unwrap().frames.capacity();
-        assert!(capacity(&outbox) <= OUTBOX_KEEP_CAPACITY);
-        drop(reader);
-        for i in 0..10 {
-            outbox.send(frame(&i.to_string()));
-        }
-        assert_eq!(capacity(&outbox), 0);
-        assert_eq!(outbox.kill_reason(), None, "not counted as a slow reader");
+    fn a_users_connections_share_their_budget() {
+        let hub = Arc::new(Hub::default());
+        let (ann, bob) = (UserId::new(1).unwrap(), UserId::new(2).unwrap());
+        let phone = hub.register(ann, DeviceId::parse("phone").unwrap());
+        let laptop = hub.register(ann, DeviceId::parse("laptop").unwrap());
+        let other = hub.register(bob, DeviceId::parse("phone").unwrap());
+        assert!(Arc::ptr_eq(
+            phone.outbox.user_budget(),
+            laptop.outbox.user_budget()
+        ));
+        assert!(!Arc::ptr_eq(
+            phone.outbox.user_budget(),
+            other.outbox.user_budget()
+        ));
+        hub.send_to_users(&[ann, bob], r#"{"type":"typing"}"#, None);
+        // One buffer for the three devices, charged to the node once and to no user.
+        assert_eq!(hub.frame_bytes(), r#"{"type":"typing"}"#.len());
+        assert_eq!(phone.outbox.user_budget().held(), 0);
+        drop((phone, laptop, other));
+        assert_eq!(hub.frame_bytes(), 0);
     }
 
     /// PROTOCOL.md 5.4's receipts carry a read mark, which only moves forward: one that
@@ -772,8 +603,8 @@ mod tests {
     fn a_receipt_older_than_one_sent_is_dropped() {
         let hub = Arc::new(Hub::default());
         let (reader_user, peer) = (UserId::new(1).unwrap(), UserId::new(2).unwrap());
-        let (outbox, mut peer_reader) = Outbox::new();
-        let _registered = hub.register(peer, DeviceId::parse("phone").unwrap(), outbox);
+        let registered = hub.register(peer, DeviceId::parse("phone").unwrap());
+        let mut peer_reader = registered.reader;
         let conversation = ConversationId::parse("g1").unwrap();
         let receipt = |seq: u64| Event::Receipt {
             conversation: conversation.clone(),

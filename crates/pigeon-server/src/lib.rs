@@ -12,6 +12,7 @@ pub mod lag;
 pub mod limits;
 pub mod open_files;
 pub mod openapi;
+pub mod outbox;
 pub mod pipeline;
 pub mod protobuf;
 pub mod rooms;

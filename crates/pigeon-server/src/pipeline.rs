@@ -5,7 +5,8 @@
 //! the embedded mode the one decider owns every conversation, so `seq` and `user_seq` have
 //! exactly one owner.
 
-use crate::hub::{Hub, Outbox, Outgoing};
+use crate::hub::Hub;
+use crate::outbox::Outbox;
 use pigeon_core::changes::{Changes, Event};
 use pigeon_core::command::{Command, Reply};
 use pigeon_core::engine::Engine;
@@ -85,9 +86,7 @@ impl ConnectionReply {
 
     fn answer_unavailable(&mut self) {
         if let Some(outbox) = self.outbox.take() {
-            outbox.send(Outgoing::Frame(
-                error_frame(self.req, &PipelineError::Unavailable).into(),
-            ));
+            outbox.send_text(error_frame(self.req, &PipelineError::Unavailable));
         }
     }
 }
@@ -1074,7 +1073,7 @@ impl Delivery {
 async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
     while let Some(d) = rx.recv().await {
         for (outbox, frame) in d.replies {
-            outbox.send(Outgoing::Frame(frame.into()));
+            outbox.send_text(frame);
         }
         hub.publish(d.events);
         for (tx, result) in d.after {
@@ -1129,6 +1128,7 @@ pub fn now_ms() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::outbox::Outgoing;
     use pigeon_core::command::{SendCommand, SendTo};
     use pigeon_proto::views::SendAck;
     use pigeon_proto::{ClientMsgId, ConversationId, UserId};

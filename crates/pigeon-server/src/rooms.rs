@@ -4,8 +4,7 @@
 //! viewer every [`FLUSH_EVERY`]; under overload it keeps at most [`MAX_PER_FLUSH`] messages a
 //! flush and drops the rest (senders are never told).
 
-use crate::hub::{Outbox, Outgoing};
-use axum::extract::ws::Utf8Bytes;
+use crate::outbox::{Frame, Outbox, Outgoing};
 use pigeon_proto::UserId;
 use pigeon_proto::frames::{RoomMessage, ServerFrame};
 use std::collections::{HashMap, VecDeque};
@@ -84,9 +83,8 @@ impl Rooms {
             }
             room
         };
-        let frame: Utf8Bytes = serde_json::json!({"type": "room_closed", "room_id": id})
-            .to_string()
-            .into();
+        let frame =
+            Frame::shared(serde_json::json!({"type": "room_closed", "room_id": id}).to_string());
         for (_, outbox) in room.viewers.values() {
             outbox.send(Outgoing::Frame(frame.clone()));
         }
@@ -183,7 +181,7 @@ impl Rooms {
         // Frames are built and queued outside the lock.
         for (room_id, messages, viewers) in out {
             // One buffer shared by every viewer's outbox (a clone is a reference count).
-            let frame: Utf8Bytes = ServerFrame::RoomMsgs { room_id, messages }.to_json().into();
+            let frame = Frame::shared(ServerFrame::RoomMsgs { room_id, messages }.to_json());
             for v in viewers {
                 v.send(Outgoing::Frame(frame.clone()));
             }

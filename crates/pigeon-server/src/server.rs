@@ -115,7 +115,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
             store.clone(),
         )
     });
-    let hub = Arc::new(Hub::with_offline_hook(offline));
+    let hub = Arc::new(Hub::new(offline, cfg.outbox_bounds()));
     let (pipeline, _pipeline_task) = Pipeline::start(store.clone(), engine, hub.clone());
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
@@ -158,6 +158,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
             tokio::select! {
                 _ = tick.tick() => {
                     hub.flush_receipts();
+                    metrics::gauge!("pigeon_outbox_bytes").set(hub.frame_bytes() as f64);
                     ticks += 1;
                     if ticks.is_multiple_of(240) {
                         limits_app.limits.forget_idle();

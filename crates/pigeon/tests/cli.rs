@@ -32,7 +32,12 @@ struct Proc {
 /// Starts `pigeon serve` in `dir` (on `127.0.0.1:0` unless `extra` or `env` set the address)
 /// and waits until it prints the address it bound and answers `/readyz` there.
 async fn start(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Proc {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pigeon"));
+    // `PIGEON_TEST_BIN` runs these tests against another build (an older one, to compare).
+    let bin = std::env::var_os("PIGEON_TEST_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_pigeon")),
+        PathBuf::from,
+    );
+    let mut cmd = Command::new(bin);
     cmd.arg("serve")
         .args(extra)
         .current_dir(dir)
@@ -691,4 +696,131 @@ async fn windows_push_retry_and_data_dir_come_from_flags_and_the_environment() {
         p.child.kill().await.unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// The server's peak resident memory, from `/proc` (Linux).
+fn peak_rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in proc status");
+    kib * 1024
+}
+
+/// A counter's value in the Prometheus text of `/metrics` (0 when absent).
+async fn counter(base: &str, name: &str) -> f64 {
+    let text = Http::new(base).get_text("/metrics").await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Members who connect and never read cannot make the server hold what is pushed to them:
+/// 50 of them in a group flooded with 4 KiB messages leave the server's peak resident
+/// memory under 300 MiB (each would otherwise hold thousands of pushes: gigabytes in all),
+/// they are closed as too slow, and a member who reads gets every push meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_who_never_read_cannot_make_the_server_hold_their_pushes() {
+    const IDLE: u64 = 50;
+    const MESSAGES: usize = 3_000;
+    const WINDOW: usize = 50;
+    let dir = temp_dir("never-read");
+    let p = start(&dir, &["--admin-key", KEY, "--send-rate-per-sec", "0"], &[]).await;
+    let admin = Http::new(p.base.clone()).with_bearer(KEY);
+    let ws_base = p.base.replace("http://", "ws://");
+    let mut tokens = HashMap::new();
+    for u in [1, 2].into_iter().chain(100..100 + IDLE) {
+        admin.upsert_user(u, &format!("user{u}")).await.unwrap();
+        tokens.insert(u, admin.mint_token(u, 3600).await.unwrap());
+    }
+    let members: Vec<u64> = std::iter::once(2).chain(100..100 + IDLE).collect();
+    let group = Http::new(p.base.clone())
+        .with_bearer(tokens[&1].clone())
+        .post("/v1/groups", &json!({"name": "flood", "members": members}))
+        .await
+        .unwrap()["conversation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Connected, and never read from again.
+    let mut idle = Vec::new();
+    for u in 100..100 + IDLE {
+        idle.push(
+            WsConn::connect(&ws_base, &tokens[&u], "never-reads")
+                .await
+                .unwrap(),
+        );
+    }
+    let mut reader = WsConn::connect(&ws_base, &tokens[&2], "reads")
+        .await
+        .unwrap();
+    let conv = group.clone();
+    let reading = tokio::spawn(async move {
+        let mut seqs = Vec::new();
+        while seqs.len() < MESSAGES {
+            let Some(v) = reader.recv(Duration::from_secs(60)).await.unwrap() else {
+                panic!("the reader's pushes stopped after {}", seqs.len());
+            };
+            if v["type"] == "msg" && v["message"]["conversation_id"] == conv.as_str() {
+                if v["message"]["kind"] == "text" {
+                    seqs.push(v["message"]["seq"].as_u64().unwrap());
+                }
+                if seqs.len() % 100 == 0 {
+                    let ack = json!({"type": "ack", "user_seq": v["user_seq"]});
+                    reader.send(&ack).await.unwrap();
+                }
+            }
+        }
+        seqs
+    });
+    let mut sender = WsConn::connect(&ws_base, &tokens[&1], "sends")
+        .await
+        .unwrap();
+    let content = "x".repeat(4096);
+    for start in (0..MESSAGES).step_by(WINDOW) {
+        let frames = (start..start + WINDOW).map(|i| {
+            json!({"type": "send", "req": i, "client_msg_id": format!("f-{i}"),
+                   "to": {"conversation": group}, "kind": "text", "content": content})
+            .to_string()
+        });
+        sender.send_burst(frames).await.unwrap();
+        let mut acked = 0;
+        while acked < WINDOW {
+            let v = sender
+                .recv(Duration::from_secs(30))
+                .await
+                .unwrap()
+                .expect("send_acks come");
+            assert_ne!(v["type"], "error", "{v}");
+            if v["type"] == "send_ack" {
+                acked += 1;
+            }
+        }
+    }
+    let seqs = tokio::time::timeout(Duration::from_secs(120), reading)
+        .await
+        .expect("the reader gets every push")
+        .unwrap();
+    assert!(
+        seqs.windows(2).all(|w| w[1] == w[0] + 1),
+        "the reader's pushes came in order, each once"
+    );
+    let peak = peak_rss_bytes(p.child.id().expect("running"));
+    let too_slow = counter(&p.base, "pigeon_connections_too_slow_total").await;
+    eprintln!(
+        "{MESSAGES} pushes of 4 KiB to {IDLE} members who never read: peak resident memory {} MiB, {too_slow} connections closed as too slow",
+        peak >> 20
+    );
+    assert!(
+        peak < 300 << 20,
+        "the server's peak resident memory was {} MiB",
+        peak >> 20
+    );
+    assert!(
+        too_slow >= (IDLE / 2) as f64,
+        "{too_slow} connections were closed as too slow"
+    );
+    drop(idle);
 }

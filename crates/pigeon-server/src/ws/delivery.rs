@@ -5,31 +5,86 @@
 
 use super::Connection;
 use crate::error::ApiError;
-use crate::hub::{Outgoing, PushChain};
+use crate::outbox::{Frame, MIN_SHARE, Outgoing, PushChain};
 use crate::pipeline::{ReplyTo, Tier};
 use axum::extract::ws::Utf8Bytes;
 use pigeon_core::command::{Command, CursorChain};
 use pigeon_proto::ConversationId;
 use pigeon_proto::frames::AckFrame;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
-/// Pushes kept for resending per connection; past this the oldest are left to pull.
+/// Pushes kept for resending per connection, and their bytes; past either the oldest are
+/// left to pull.
 const MAX_UNACKED: usize = 8192;
+const MAX_UNACKED_BYTES: usize = 1 << 20;
 /// Sends of one push before leaving it to the client's pull.
 const MAX_PUSH_TRIES: u8 = 4;
 
 /// A push waiting for its acknowledgement.
 pub(super) struct Pending {
-    frame: Utf8Bytes,
+    frame: Frame,
     sent_at: Instant,
     tries: u8,
+}
+
+/// The pushes a connection keeps until they are acknowledged, and their bytes: at most
+/// [`MAX_UNACKED`] and [`MAX_UNACKED_BYTES`] (while its user or the server holds more
+/// than their bound, a tenth of [`MIN_SHARE`]); past that the oldest are let go, left to
+/// the client's pull, which finds the hole. (They count in the user's and the server's
+/// budgets as long as they are kept.)
+#[derive(Default)]
+pub(super) struct Unacked {
+    pushes: BTreeMap<PushChain, Pending>,
+    bytes: usize,
+}
+
+impl Unacked {
+    pub(super) fn is_empty(&self) -> bool {
+        self.pushes.is_empty()
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.pushes = BTreeMap::new();
+        self.bytes = 0;
+    }
+
+    fn insert(&mut self, chain: PushChain, frame: Frame, bytes_at_most: usize) {
+        while !self.pushes.is_empty()
+            && (self.pushes.len() >= MAX_UNACKED || self.bytes + frame.len() > bytes_at_most)
+        {
+            if let Some((_, gone)) = self.pushes.pop_first() {
+                self.bytes -= gone.frame.len();
+            }
+        }
+        self.bytes += frame.len();
+        let pending = Pending {
+            frame,
+            sent_at: Instant::now(),
+            tries: 1,
+        };
+        if let Some(replaced) = self.pushes.insert(chain, pending) {
+            self.bytes -= replaced.frame.len();
+        }
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&PushChain, &mut Pending) -> bool) {
+        let bytes = &mut self.bytes;
+        self.pushes.retain(|k, p| {
+            let kept = keep(k, p);
+            if !kept {
+                *bytes -= p.frame.len();
+            }
+            kept
+        });
+    }
 }
 
 impl Connection {
     /// The text to write for an outbox entry; pushes are remembered until acknowledged.
     pub(super) fn frame_to_write(&mut self, out: Outgoing) -> Option<Utf8Bytes> {
         match out {
-            Outgoing::Frame(f) => Some(f),
+            Outgoing::Frame(f) => Some(f.text()),
             // Handled where the outbox is read (`feed_queued`): not a frame.
             Outgoing::SaveCursors(_) => None,
             Outgoing::Forget(id) => {
@@ -40,18 +95,14 @@ impl Connection {
                 None
             }
             Outgoing::Push { chain, frame } => {
-                if self.unacked.len() >= MAX_UNACKED {
-                    self.unacked.pop_first();
-                }
-                self.unacked.insert(
-                    chain,
-                    Pending {
-                        frame: frame.clone(),
-                        sent_at: Instant::now(),
-                        tries: 1,
-                    },
-                );
-                Some(frame)
+                let text = frame.text();
+                let bytes_at_most = if self.outbox.under_pressure() {
+                    MIN_SHARE / 10
+                } else {
+                    MAX_UNACKED_BYTES
+                };
+                self.unacked.insert(chain, frame, bytes_at_most);
+                Some(text)
             }
         }
     }
@@ -71,7 +122,7 @@ impl Connection {
                 }
                 p.tries += 1;
                 p.sent_at = now;
-                out.push(p.frame.clone());
+                out.push(p.frame.text());
             }
             let due = p.sent_at + retry;
             next_due = Some(next_due.map_or(due, |d| d.min(due)));

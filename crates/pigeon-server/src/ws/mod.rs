@@ -15,9 +15,8 @@ mod frames;
 use crate::app::AppRef;
 use crate::auth::bearer;
 use crate::error::ApiError;
-use crate::hub::{
-    Admission, KillReason, Outbox, OutboxReader, Outgoing, PushChain, Refused, Registration,
-};
+use crate::hub::{Admission, Refused, Registered, Registration};
+use crate::outbox::{KillReason, Outbox, OutboxReader, Outgoing};
 use crate::pipeline::{Tier, now_ms};
 use crate::protobuf;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
@@ -25,7 +24,7 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use codec::Codec;
-use delivery::Pending;
+use delivery::Unacked;
 use frames::{Answer, BAD_FRAMES_PER_WINDOW, req_in};
 use futures_util::{SinkExt, StreamExt};
 use pigeon_proto::frames::ServerFrame;
@@ -205,7 +204,7 @@ struct Connection {
     user: UserId,
     device: DeviceId,
     outbox: Outbox,
-    unacked: BTreeMap<PushChain, Pending>,
+    unacked: Unacked,
     /// (A `BTreeMap`, 24 bytes against a `HashMap`'s 48, in every connection's task.)
     cursors: BTreeMap<String, u64>,
     cursors_dirty: bool,
@@ -289,7 +288,7 @@ impl<'a> Writer<'a> {
                         feed_queued(conn, self.sink, self.out_rx, self.codec, Some(out), COALESCE_MAX).await
                             && self.sink.flush().await.is_ok()
                     };
-                    if let Err(stop) = write_within(stall, write).await {
+                    if let Err(stop) = write_within(stall, &kill, write).await {
                         break stop;
                     }
                 }
@@ -299,16 +298,16 @@ impl<'a> Writer<'a> {
         Err(ended)
     }
 
-    /// After the outbox was killed: writes what it holds (a `kicked` frame) and says how
-    /// the connection closes.
+    /// After the outbox was killed: writes what it holds (a `kicked` frame; a connection
+    /// too slow holds nothing) for at most [`CLOSE_WAIT`], and says how the connection
+    /// closes.
     async fn stop_for_kill(&mut self, conn: &mut Connection) -> Stop {
-        let stall = conn.write_stall();
-        let write = feed_queued(conn, self.sink, self.out_rx, self.codec, None, usize::MAX);
-        let _ = tokio::time::timeout(stall, write).await;
-        match conn.outbox.kill_reason() {
-            Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
-            _ => Stop::Close(1013, "too slow; reconnect and sync"),
-        }
+        let write = async {
+            feed_queued(conn, self.sink, self.out_rx, self.codec, None, usize::MAX).await
+                && self.sink.flush().await.is_ok()
+        };
+        let _ = tokio::time::timeout(CLOSE_WAIT, write).await;
+        kill_stop(&conn.outbox)
     }
 }
 
@@ -322,12 +321,29 @@ async fn shutdown_begun(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
 /// socket failed, or as too slow (1013) when the client has not taken it within `stall`
 /// ([`Connection::write_stall`]), so a client that stops reading cannot hold its task, its
 /// outbox and its unacknowledged pushes for ever (the heartbeat is checked only between
-/// writes).
-async fn write_within(stall: Duration, write: impl Future<Output = bool>) -> Result<(), Stop> {
-    match tokio::time::timeout(stall, write).await {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(Stop::Gone),
-        Err(_) => Err(Stop::Close(1013, "too slow; reconnect and sync")),
+/// writes); and at once when its outbox is killed meanwhile (past its bounds, a logout),
+/// however long the write would have waited.
+async fn write_within(
+    stall: Duration,
+    kill: &Outbox,
+    write: impl Future<Output = bool>,
+) -> Result<(), Stop> {
+    tokio::select! {
+        biased;
+        _ = kill.killed() => Err(kill_stop(kill)),
+        done = tokio::time::timeout(stall, write) => match done {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Stop::Gone),
+            Err(_) => Err(Stop::Close(1013, "too slow; reconnect and sync")),
+        },
+    }
+}
+
+/// How a connection whose outbox was killed closes.
+fn kill_stop(outbox: &Outbox) -> Stop {
+    match outbox.kill_reason() {
+        Some(KillReason::TokenRevoked) => Stop::Close(1008, "token_revoked"),
+        _ => Stop::Close(1013, "too slow; reconnect and sync"),
     }
 }
 
@@ -393,11 +409,15 @@ async fn run(
     codec: Codec,
     socket: Halves,
 ) {
-    let (outbox, mut out_rx) = Outbox::new();
     // Before anything that waits: a receiver made after the shutdown began would never see
     // it change.
     let mut shutdown = app.shutdown.subscribe();
-    let (registration, sibling_saves) = app.hub.register(user, device.clone(), outbox.clone());
+    let Registered {
+        registration,
+        outbox,
+        reader: mut out_rx,
+        sibling_saves,
+    } = app.hub.register(user, device.clone());
     let device_was_connected = !sibling_saves.is_empty();
     if device_was_connected {
         // Until the device's other connections have queued their positions (see below), or
@@ -416,7 +436,7 @@ async fn run(
         user,
         device,
         outbox,
-        unacked: BTreeMap::new(),
+        unacked: Unacked::default(),
         cursors: BTreeMap::new(),
         cursors_dirty: false,
         // With another connection of this device still registered (ending, or half-open:
@@ -509,7 +529,7 @@ async fn run(
                     feed_queued(&mut conn, &mut sink, &mut out_rx, codec, Some(out), COALESCE_MAX).await
                         && sink.flush().await.is_ok()
                 };
-                if let Err(stop) = Box::pin(write_within(stall, write)).await {
+                if let Err(stop) = Box::pin(write_within(stall, &kill, write)).await {
                     break stop;
                 }
             }
@@ -594,7 +614,7 @@ async fn run(
                     }
                     sink.flush().await.is_ok()
                 };
-                if let Err(stop) = Box::pin(write_within(stall, write)).await {
+                if let Err(stop) = Box::pin(write_within(stall, &kill, write)).await {
                     break stop;
                 }
             }
@@ -624,7 +644,7 @@ async fn run(
                     }
                     sink.flush().await.is_ok()
                 };
-                if let Err(stop) = Box::pin(write_within(conn.write_stall(), write)).await {
+                if let Err(stop) = Box::pin(write_within(conn.write_stall(), &kill, write)).await {
                     break stop;
                 }
                 if conn.cursors_dirty && conn.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY {
@@ -641,6 +661,8 @@ async fn run(
             // Queued before the close frame, which a stuck socket can hold up to CLOSE_WAIT:
             // a new connection of the device waits for these, not for that.
             Box::pin(conn.flush_cursors(false)).await;
+            // Nothing is resent from here: what it kept is let go now, not after the wait.
+            conn.unacked.clear();
             let deadline = tokio::time::Instant::now() + CLOSE_WAIT;
             // A client that stopped reading cannot hold the task here either.
             let _ = tokio::time::timeout_at(deadline, sink.send(close(code, reason))).await;
