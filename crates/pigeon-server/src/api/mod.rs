@@ -105,7 +105,9 @@ pub fn router(app: AppRef) -> Router {
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
             crate::serve::HEADER_READ_TIMEOUT,
         ))
+        .layer(axum::middleware::from_fn(declared_body_within_limit))
         .layer(axum::middleware::from_fn(head_within_limit))
+        .layer(axum::middleware::from_fn(host_given))
         .layer(catch_panics())
         .with_state(app)
 }
@@ -135,6 +137,38 @@ async fn head_within_limit(req: Request, next: axum::middleware::Next) -> Respon
         .into_response();
         *refused.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
         return refused;
+    }
+    next.run(req).await
+}
+
+/// Refuses, before any of it is read, a body whose declared `Content-Length` is over
+/// [`MAX_BODY_BYTES`]: `413` at once, and no `100 Continue` to a client that asked
+/// whether to send it (hyper sends that only when the body is first read). Reading such a
+/// body up to the limit would wait for as long as the body timeout on a client that sent a
+/// byte of it.
+async fn declared_body_within_limit(req: Request, next: axum::middleware::Next) -> Response {
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("the request body is over {} KiB", MAX_BODY_BYTES / 1024),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// Refuses an HTTP/1.1 request without a `Host` header, as RFC 9112 (3.2) asks of a server:
+/// `400 invalid_argument`.
+async fn host_given(req: Request, next: axum::middleware::Next) -> Response {
+    if req.version() == axum::http::Version::HTTP_11
+        && !req.headers().contains_key(axum::http::header::HOST)
+    {
+        return ApiError::invalid("an HTTP/1.1 request needs a Host header").into_response();
     }
     next.run(req).await
 }
@@ -287,7 +321,15 @@ async fn body_within<S: Send + Sync>(
             ErrorCode::PayloadTooLarge,
             "request body too large",
         )),
-        Err(e) => Err(ApiError::unparsable("bad body", &e.body_text())),
+        // The body stopped coming, or came apart: said in the protocol's words, not the
+        // HTTP library's (which name its own timeouts and buffers).
+        Err(e) => {
+            tracing::debug!(error = %e.body_text(), "a request body could not be read");
+            Err(ApiError::invalid(format!(
+                "the request body did not arrive whole within {} s",
+                limit.as_secs_f64()
+            )))
+        }
     }
 }
 
@@ -407,6 +449,26 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(&body[..], b"{}");
+    }
+
+    /// A body that fails as it is read (its client stopped, a layer's timeout) is answered
+    /// in the protocol's words: nothing of the HTTP library's message reaches the client.
+    #[tokio::test]
+    async fn a_body_that_fails_is_answered_without_the_librarys_words() {
+        let failing = futures_util::stream::iter([Err::<axum::body::Bytes, _>(
+            std::io::Error::other("data was not received within the designated timeout"),
+        )]);
+        let req = Request::builder()
+            .body(axum::body::Body::from_stream(failing))
+            .unwrap();
+        let err = body_within(req, &(), std::time::Duration::from_secs(30))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code, ErrorCode::InvalidArgument);
+        assert_eq!(
+            err.message,
+            "the request body did not arrive whole within 30 s"
+        );
     }
 
     /// A panicking handler answers 500 with `{"code":"internal"}` and nothing of the panic.

@@ -79,6 +79,12 @@ pub async fn upgrade(
 ) -> Response {
     let authorized = authorize(&app, &headers, params).await;
     let ws = match (authorized.is_ok(), ws) {
+        (true, Ok(_)) if !key_is_valid(&headers) => {
+            return ApiError::invalid(
+                "Sec-WebSocket-Key must be 16 bytes in base64 (RFC 6455, 4.2.1)",
+            )
+            .into_response();
+        }
         (true, Ok(ws)) => ws,
         (true, Err(_)) => {
             return ApiError::invalid("this endpoint needs a WebSocket upgrade").into_response();
@@ -114,6 +120,20 @@ pub async fn upgrade(
             }),
         Err(e) => e.into_response(),
     }
+}
+
+/// Whether the upgrade's `Sec-WebSocket-Key` is what RFC 6455 asks: a nonce of 16 bytes,
+/// in base64 (the upgrade extractor takes any value).
+fn key_is_valid(headers: &HeaderMap) -> bool {
+    use base64::Engine as _;
+    headers
+        .get(header::SEC_WEBSOCKET_KEY)
+        .and_then(|k| {
+            base64::engine::general_purpose::STANDARD
+                .decode(k.as_bytes())
+                .ok()
+        })
+        .is_some_and(|nonce| nonce.len() == 16)
 }
 
 /// The subprotocols this server speaks, the one the client listed first in front: the
@@ -536,17 +556,7 @@ async fn run(
             incoming = stream.next() => {
                 let msg = match incoming {
                     None => break Stop::Gone,
-                    Some(Err(e)) => {
-                        if is_too_big(&e) {
-                            break Stop::Close(1009, "frame too large");
-                        }
-                        // A text frame that is not UTF-8 (RFC 6455 section 8.1): tungstenite's
-                        // `Error::Utf8` (pinned by a test, should its wording change).
-                        if e.to_string().contains("UTF-8 encoding error") {
-                            break Stop::Close(1007, "text frame is not UTF-8");
-                        }
-                        break Stop::Gone;
-                    }
+                    Some(Err(e)) => break stop_for_read_error(e),
                     Some(Ok(m)) => m,
                 };
                 conn.last_seen = Instant::now();
@@ -713,12 +723,20 @@ fn close(code: u16, reason: &'static str) -> WsMessage {
     }))
 }
 
-fn is_too_big(e: &axum::Error) -> bool {
-    let text = e.to_string();
-    text.contains("too long")
-        || text.contains("too big")
-        || text.contains("Space limit")
-        || text.contains("capacity")
+/// How a connection whose client's frames could not be read ends (RFC 6455 7.4.1): a frame
+/// over the size limit 1009, a text frame that is not UTF-8 1007 (8.1), any other breach of
+/// the framing (a frame not masked, reserved bits set, an unknown opcode, a fragmented or
+/// oversized control frame) 1002; a socket that failed or closed without a close frame
+/// has nobody left to tell.
+fn stop_for_read_error(e: axum::Error) -> Stop {
+    use tungstenite::error::{Error, ProtocolError};
+    match e.into_inner().downcast::<Error>().map(|e| *e) {
+        Ok(Error::Capacity(_)) => Stop::Close(1009, "frame too large"),
+        Ok(Error::Utf8(_)) => Stop::Close(1007, "text frame is not UTF-8"),
+        Ok(Error::Protocol(ProtocolError::ResetWithoutClosingHandshake)) => Stop::Gone,
+        Ok(Error::Protocol(_)) => Stop::Close(1002, "protocol error"),
+        _ => Stop::Gone,
+    }
 }
 
 impl Connection {

@@ -19,6 +19,7 @@ mod reads;
 mod rooms;
 mod sdk;
 mod store_failure;
+mod wire_rules;
 
 use pigeon_client::{Http, WsConn};
 use pigeon_server::{Config, Running};
