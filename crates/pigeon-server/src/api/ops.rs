@@ -63,8 +63,8 @@ pub async fn metrics(State(app): State<AppRef>) -> impl IntoResponse {
     )
 }
 
-pub async fn openapi() -> impl IntoResponse {
-    axum::Json(crate::openapi::document())
+pub async fn openapi(State(app): State<AppRef>) -> impl IntoResponse {
+    axum::Json(crate::openapi::document(&app.cfg))
 }
 
 pub async fn not_found() -> ApiError {

@@ -13,6 +13,7 @@ mod history;
 mod large_groups;
 mod message_ops;
 mod offline_hook;
+mod openapi;
 mod protobuf;
 mod proxy;
 mod reads;
