@@ -4,8 +4,7 @@
 //! on the threads that answer clients: under Linux's `SCHED_BATCH` they keep their full share
 //! of the CPU (so the tables keep up at the maximum rate) but their wake-ups no longer
 //! preempt those threads. Measured at half the maximum rate: p99 24.7-57.9 ms against
-//! 32.7-139.2 ms in alternated runs; the maximum may be a few % lower (BENCHMARKS.md, tenth
-//! session).
+//! 32.7-139.2 ms in alternated runs; the maximum may be a few % lower.
 
 /// Runs the calling thread under `SCHED_BATCH` (Linux with glibc; elsewhere, and if refused,
 /// it stays as it is: only latency is at stake).

@@ -42,8 +42,7 @@ pub enum Durability {
     /// segment is deleted only once the tables hold its batches durably. (Synced at every
     /// commit, four or more times a second under load, each of those fsyncs wrote megabytes
     /// at once, and every journal fsync behind it on the one disk waited: at 15 000 sends/s
-    /// the p99 was 19-52 ms in six runs, 15-22 ms without those fsyncs; BENCHMARKS.md,
-    /// sixth session.)
+    /// the p99 was 19-52 ms in six runs, 15-22 ms without those fsyncs.)
     Fsync,
     /// Let the OS flush the journal and the tables (`synchronous=OFF`): survives a process
     /// crash, not a power loss.

@@ -4,7 +4,8 @@
 //! Every batch is written and fsynced before anyone hears of it, so its bytes are on the
 //! hot path: a direct message took ~890 bytes as JSON (the message, its conversation's
 //! row, the sender's membership, two inbox entries, every field named) and takes ~370
-//! here, and a commit's time grows with its bytes (BENCHMARKS.md, nineteenth session).
+//! here, and a commit's time grows with its bytes (mean commit 1.35-1.65 ms against
+//! 1.14-1.39 ms at 55 000 sends/s, alternated runs).
 //!
 //! Positional fields set two rules for the types a record holds (`pigeon_core::changes`
 //! and what they contain): no `skip_serializing_if` (a field left out would shift the

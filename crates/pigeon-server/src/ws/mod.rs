@@ -46,9 +46,9 @@ const OWN_SENDS_WAIT: Duration = Duration::from_secs(10);
 /// connection up front: an idle connection's largest buffer. A client frame is ~100-300
 /// bytes, so one or two fit. A larger frame (up to the frame limit) grows the buffer to its
 /// size, and the connection keeps that capacity (tungstenite reclaims its buffer rather
-/// than shrink it); it is still read 512 bytes at a time (2 048 reads for 1 MiB). 2 KiB
-/// until the twelfth session: 512 bytes took ~1.8 KiB off each idle connection's memory
-/// with no change in `direct`'s maximum (BENCHMARKS.md).
+/// than shrink it); it is still read 512 bytes at a time (2 048 reads for 1 MiB). Against
+/// 2 KiB, 512 bytes take ~1.8 KiB off each idle connection's memory with no change in
+/// `direct`'s maximum.
 const READ_BUFFER_BYTES: usize = 512;
 /// Bytes of frames gathered before they are written to the socket (see [`upgrade`]).
 const WRITE_BUFFER_BYTES: usize = 16 * 1024;
@@ -854,15 +854,13 @@ mod tests {
     }
 
     /// Every connection holds its task for its whole life, idle or not, so the task's
-    /// future is part of every idle connection's memory: 2 248 bytes before the twelfth
-    /// session (the WebSocket kept twice, the hello frame kept in scope), 1 480 after (and
-    /// after the thirteenth's token check, paid for by two flags in place of a list), 1 520
-    /// with the fourteenth's barrier that writes the outbox while it waits, 1 384 in the
-    /// fifteenth (settings read where used, not kept in locals; `BTreeMap`s; the hub
-    /// registration in place of a copy of its id). With tokio's ~142 bytes around it, the
-    /// task is then at most 1 536 bytes, one allocator bin below 1 792 (heaptrack). A
-    /// change that holds something large across an await fails here rather than in a
-    /// benchmark's noise.
+    /// future is part of every idle connection's memory. It stays small because nothing
+    /// large is held across an await: the WebSocket is kept once, as its two halves; frames
+    /// are made in blocks of their own; settings are read where used, not kept in locals;
+    /// maps are `BTreeMap`s; two flags stand for the queues a connection sent on. With
+    /// tokio's ~142 bytes around it, the task is then at most 1 536 bytes, one allocator bin
+    /// below 1 792 (heaptrack). A change that holds something large across an await fails
+    /// here rather than in a benchmark's noise.
     #[test]
     fn a_connection_task_stays_small() {
         let bytes = future_bytes(&run);

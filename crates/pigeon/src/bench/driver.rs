@@ -40,8 +40,8 @@ pub const LATE_SEND: Duration = Duration::from_millis(5);
 const TIMER_SLACK: Duration = Duration::from_millis(1);
 
 /// Deliveries slower than this are counted live ([`Counters::slow`]): the progress line
-/// shows, second by second, when a run's tail happens (20 ms: the floor issue 5 sets for the
-/// p99 at half the maximum rate).
+/// shows, second by second, when a run's tail happens (20 ms: the p99 the server aims for
+/// at half its maximum rate).
 pub const SLOW_DELIVERY_US: u32 = 20_000;
 
 /// Live totals over every connection of a run (the progress line reads them).
