@@ -6,6 +6,8 @@ pub const EPOCH_MS: i64 = 1_704_067_200_000;
 const NODE_BITS: u32 = 10;
 const SEQ_BITS: u32 = 12;
 const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+/// The largest node number an id can carry.
+pub const MAX_NODE: u16 = (1 << NODE_BITS) - 1;
 
 /// Hands out strictly increasing ids. Owned by one thread (the writer), so it needs no lock.
 #[derive(Debug)]

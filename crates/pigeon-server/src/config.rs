@@ -50,6 +50,9 @@ pub struct ServeArgs {
     /// Heartbeat announced in hello; a connection silent for two is closed [default: 30000]
     #[arg(long, env = "PIGEON_HEARTBEAT_MS")]
     pub heartbeat_ms: Option<u64>,
+    /// This node's number in message ids, 0..=1023: nodes that hand out ids side by side must each have their own [default: 0]
+    #[arg(long, env = "PIGEON_NODE_ID")]
+    pub node_id: Option<u16>,
     /// fsync (default) or os
     #[arg(long, env = "PIGEON_DURABILITY", value_enum)]
     pub durability: Option<DurabilityMode>,
@@ -145,6 +148,8 @@ struct FileConfig {
     #[serde(alias = "heartbeat-ms")]
     heartbeat_ms: Option<u64>,
     durability: Option<DurabilityMode>,
+    #[serde(alias = "node-id")]
+    node_id: Option<u16>,
     #[serde(alias = "journal-backlog-kib")]
     journal_backlog_kib: Option<usize>,
     #[serde(alias = "max-connections")]
@@ -182,6 +187,7 @@ pub struct Config {
     pub max_content_bytes: usize,
     pub heartbeat_ms: u64,
     pub durability: DurabilityMode,
+    pub node_id: u16,
     pub journal_backlog_kib: usize,
     pub max_connections: usize,
     /// `None`: what the open-file limit leaves (`open_files::connections_for`).
@@ -209,6 +215,7 @@ impl Default for Config {
             max_content_bytes: 65_536,
             heartbeat_ms: 30_000,
             durability: DurabilityMode::Fsync,
+            node_id: 0,
             journal_backlog_kib: pigeon_store_sqlite::DEFAULT_BACKLOG_BYTES / 1024,
             max_connections: 100_000,
             max_open_connections: None,
@@ -300,6 +307,7 @@ impl Config {
                 .or(file.heartbeat_ms)
                 .unwrap_or(d.heartbeat_ms),
             durability: args.durability.or(file.durability).unwrap_or(d.durability),
+            node_id: args.node_id.or(file.node_id).unwrap_or(d.node_id),
             journal_backlog_kib: args
                 .journal_backlog_kib
                 .or(file.journal_backlog_kib)
@@ -369,6 +377,9 @@ impl Config {
         }
         if self.max_connections == 0 {
             return invalid("max-connections must be at least 1");
+        }
+        if self.node_id > pigeon_core::snowflake::MAX_NODE {
+            return invalid("node-id must be 0..=1023 (ten bits of every message id)");
         }
         if self.max_open_connections == Some(0) {
             return invalid("max-open-connections must be at least 1");
@@ -488,6 +499,7 @@ mod tests {
             ),
             (with(|a| a.push_retry_ms = Some(9)), "push-retry-ms"),
             (with(|a| a.heartbeat_ms = Some(99)), "heartbeat-ms"),
+            (with(|a| a.node_id = Some(1024)), "node-id"),
         ] {
             let err = refused.unwrap_err();
             assert!(err.contains(what), "{err}");
@@ -496,6 +508,7 @@ mod tests {
         with(|a| a.max_content_bytes = Some(1 << 20)).unwrap();
         with(|a| a.push_retry_ms = Some(10)).unwrap();
         with(|a| a.heartbeat_ms = Some(100)).unwrap();
+        with(|a| a.node_id = Some(1023)).unwrap();
     }
 
     #[test]

@@ -104,6 +104,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         fanout_write_max_members: cfg.fanout_write_max_members,
         recall_window_ms: (cfg.recall_window_secs as i64) * 1000,
         edit_window_ms: (cfg.edit_window_secs as i64) * 1000,
+        node_id: cfg.node_id,
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(engine_cfg, store.max_msg_id().await?);

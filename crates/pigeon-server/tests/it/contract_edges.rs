@@ -499,3 +499,23 @@ async fn mentions_over_100_and_extra_over_max_content_bytes_are_refused() {
         "the refused sends stored nothing"
     );
 }
+
+/// `--node-id` is the node number every message id carries (ten bits above its twelve
+/// sequence bits), so that nodes handing out ids side by side never give the same one.
+#[tokio::test]
+async fn message_ids_carry_the_node_id() {
+    let s = spawn_with(|c| c.node_id = 777).await;
+    s.token(222).await;
+    let alice = s.user(111).await;
+    for i in 0..3 {
+        let ack = alice
+            .post(
+                "/v1/messages",
+                &text_to_user(&format!("node-{i}"), 222, "hi"),
+            )
+            .await
+            .unwrap();
+        let id: u64 = ack["msg_id"].as_str().unwrap().parse().unwrap();
+        assert_eq!((id >> 12) & 1023, 777, "{id}");
+    }
+}
