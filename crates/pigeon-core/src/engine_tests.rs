@@ -1,9 +1,12 @@
 //! The engine alone, without a store: what it decides for sequences of commands.
 
 use super::*;
-use crate::command::SendTo;
+use crate::command::{SendCommand, SendTo};
+use crate::state::ConversationState;
 use crate::store::{Loaded, Needs};
-use pigeon_proto::{ClientMsgId, DeviceId};
+use pigeon_proto::views::SendAck;
+use pigeon_proto::{ClientMsgId, ConversationId, DeviceId, MessageKind, MessageStatus};
+use std::collections::{HashMap, HashSet};
 
 fn uid(n: u64) -> UserId {
     UserId::new(n).unwrap()
@@ -344,14 +347,14 @@ fn an_edit_in_a_dismissed_group_answers_conflict_even_past_its_window() {
         msg_id: a.msg_id,
         content: content.into(),
     };
-    // docs/PROTOCOL-EXTENSIONS.md: a dismissed group answers `conflict` to every change,
+    // PROTOCOL.md 6 (extension): a dismissed group answers `conflict` to every change,
     // whatever else the change would meet.
     let within = e.apply(edit("in time"), T0 + 1, &mut ch, &mut ev);
     assert!(
         matches!(within, Err(DomainError::Conflict(_))),
         "{within:?}"
     );
-    let late = T0 + e.cfg.edit_window_ms + 1;
+    let late = T0 + e.config().edit_window_ms + 1;
     let past = e.apply(edit("too late"), late, &mut ch, &mut ev);
     assert!(matches!(past, Err(DomainError::Conflict(_))), "{past:?}");
 }
@@ -447,7 +450,7 @@ fn acknowledged_positions_are_clamped_to_the_newest_seq() {
     let (mut ch, mut ev) = (Changes::default(), Vec::new());
     send(&mut e, 1, SendTo::User(uid(2)), "a", &mut ch, &mut ev).unwrap();
     let g = group(&mut e, 1, &[2, 3], &mut ch, &mut ev);
-    let g_seq = e.conversations.get(&g).unwrap().seq;
+    let g_seq = e.conversations.cached()[&g].seq;
     let device = DeviceId::parse("d").unwrap();
     let advance = |chain: CursorChain, seq: u64| Command::AdvanceCursor {
         user: uid(2),
@@ -456,7 +459,7 @@ fn acknowledged_positions_are_clamped_to_the_newest_seq() {
         seq,
     };
     let missing = ConversationId::parse("g999").unwrap();
-    e.absent.insert(missing.clone());
+    e.conversations.mark_absent(missing.clone());
     let uncached = ConversationId::parse("g998").unwrap();
     let mut saved = Changes::default();
     for cmd in [
@@ -468,7 +471,7 @@ fn acknowledged_positions_are_clamped_to_the_newest_seq() {
         assert!(e.needs(std::slice::from_ref(&cmd)).conversations.is_empty());
         e.apply(cmd, T0, &mut saved, &mut ev).unwrap();
     }
-    let head = e.inbox_heads[&uid(2)];
+    let head = e.users.heads()[&uid(2)];
     assert_eq!(
         saved.cursors,
         vec![
@@ -513,8 +516,8 @@ fn inbox_heads_are_kept_only_for_users_that_exist() {
         },
         &needs,
     );
-    assert!(made_up.iter().all(|u| !e.inbox_heads.contains_key(u)));
-    assert!(e.inbox_heads.contains_key(&uid(1)));
+    assert!(made_up.iter().all(|u| !e.users.heads().contains_key(u)));
+    assert!(e.users.heads().contains_key(&uid(1)));
 }
 
 /// What the tables hold once everything `e` decided is applied: its conversations and its
@@ -527,10 +530,11 @@ fn stored(
 ) {
     let convs = e
         .conversations
+        .cached()
         .iter()
         .map(|(id, c)| (id.clone(), c.clone()))
         .collect();
-    (convs, e.inbox_heads.clone())
+    (convs, e.users.heads().clone())
 }
 
 /// Gives `e` what [`Engine::needs`] asks for from what the tables hold (`convs`, `heads`),

@@ -1,18 +1,22 @@
 //! Pigeon's domain: the rules of conversations, `seq`, inboxes and fan-out, and the ports
 //! (traits) that storage adapters implement. Nothing here does I/O: the engine is a state
-//! machine fed with commands and loaded state, and it answers with the rows to commit and the
-//! events to publish once they are durable.
+//! machine fed with commands and loaded state, in two stages (the conversation stage, which
+//! owns `seq`, hands each message to the user stage, which owns `user_seq`), and it answers
+//! with the rows to commit and the events to publish once they are durable.
 
 pub mod changes;
 pub mod command;
+pub mod conversation_stage;
 pub mod engine;
 pub mod error;
+pub mod handoff;
 pub mod known_keys;
 pub mod rules;
 pub mod snowflake;
 pub mod state;
 pub mod store;
 pub mod until_committed;
+pub mod user_stage;
 
 pub use changes::{Changes, Event};
 pub use command::{Command, Reply};
