@@ -85,7 +85,7 @@ pub struct ConversationView {
     pub pinned: bool,
     pub muted: bool,
     pub updated_at: i64,
-    // Extensions (PROTOCOL.md is silent; documented in docs/PROTOCOL-EXTENSIONS.md).
+    // Extensions (the base contract is silent; docs/PROTOCOL.md 6, Conversations, extension).
     pub hidden: bool,
     pub notice: Option<String>,
     pub avatar: Option<String>,

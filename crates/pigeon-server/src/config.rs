@@ -481,7 +481,7 @@ mod tests {
         assert_eq!(cfg.max_content_bytes, 65_536);
     }
 
-    /// The bounds PROTOCOL-EXTENSIONS.md's Limits gives for settings, each side of each.
+    /// The bounds docs/PROTOCOL.md's Appendix B (Limits) gives for settings, each side of each.
     #[test]
     fn settings_are_refused_outside_their_bounds_and_taken_at_them() {
         let with = |f: fn(&mut ServeArgs)| {

@@ -601,7 +601,7 @@ fn request_schema(method: &str, path: &str, cfg: &Config) -> Option<Value> {
     };
     Some(match (method, path) {
         ("post", "/v1/admin/users") => json!({"type": "object", "required": ["user_id"],
-            // Left out or null: kept as the user has it (PROTOCOL-EXTENSIONS.md).
+            // Left out or null: kept as the user has it (PROTOCOL.md 6, Admin, extension).
             "properties": {"user_id": uid,
                 "name": nullable_text(rules::MAX_USER_NAME_CHARS),
                 "avatar": nullable_text(rules::MAX_AVATAR_CHARS)}}),

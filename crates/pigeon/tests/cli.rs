@@ -594,7 +594,7 @@ async fn flags_win_over_the_environment() {
 /// `--data-dir` exist, as flags and as their `PIGEON_*` variables, and take effect: with
 /// windows of 1 s a recall and an edit 1.1 s after the send answer 409 `window_expired` (the
 /// defaults are 120 s and a day), an unacknowledged push comes again well before the default
-/// 3 s (never sooner than 200 ms after the send: PROTOCOL-EXTENSIONS.md), and the store is
+/// 3 s (never sooner than 200 ms after the send: PROTOCOL.md 4, extension), and the store is
 /// made under the directory named, not under `./data`.
 #[tokio::test]
 async fn windows_push_retry_and_data_dir_come_from_flags_and_the_environment() {

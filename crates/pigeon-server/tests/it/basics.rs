@@ -313,7 +313,7 @@ async fn logout_revokes_tokens_and_kicks_connections() {
             json!({"type": "kicked", "reason": "token_revoked"}),
             "{device}"
         );
-        // Closed with 1008 (PROTOCOL-EXTENSIONS.md).
+        // Closed with 1008 (PROTOCOL.md 5, extension).
         assert_eq!(conn.closed(WAIT).await, Some(1008), "{device}");
     }
     // Both tokens' upgrades are refused with 401 ("A connection that cannot authenticate is
@@ -387,7 +387,7 @@ async fn upgrade_answer(s: &TestServer, query: &str, bearer: Option<&str>) -> (u
 /// upgrade)", with PROTOCOL.md 1's error body, `unauthorized` ("missing, malformed, expired
 /// or revoked token"): a garbage token, an expired one (`ttl_secs` 0) and a revoked one
 /// (after a logout), each given as `?token=` and as the `Authorization` header, and none at
-/// all (an empty `?token=` is none, PROTOCOL-EXTENSIONS.md).
+/// all (an empty `?token=` is none, PROTOCOL.md 6, extension).
 #[tokio::test]
 async fn the_upgrade_is_refused_with_401_for_a_bad_expired_revoked_or_missing_token() {
     let s = spawn_server().await;
@@ -958,7 +958,7 @@ fn user_fields(u: &Value) -> (Option<u64>, Option<&str>, Option<&str>) {
     )
 }
 
-/// PROTOCOL-EXTENSIONS.md: a repeat of `POST /v1/admin/users` that leaves `name` or
+/// PROTOCOL.md 6 (extension): a repeat of `POST /v1/admin/users` that leaves `name` or
 /// `avatar` out keeps what the user has, and answers the user as stored; updates of
 /// different fields racing each other both hold (they are merged where the row is written).
 #[tokio::test]
@@ -1013,7 +1013,7 @@ async fn registering_a_user_again_keeps_the_fields_left_out() {
 
 /// PROTOCOL.md 6: `POST /v1/admin/users` answers "the user; repeat = update": a second call
 /// for the same id renames the user, and a single chat shows the peer's new name (a single
-/// chat's `name` is the peer's registered name, PROTOCOL-EXTENSIONS.md).
+/// chat's `name` is the peer's registered name, PROTOCOL.md 6, extension).
 #[tokio::test]
 async fn registering_a_user_again_updates_them() {
     let s = spawn_server().await;
@@ -1131,7 +1131,7 @@ async fn send_ack_created_at_is_the_messages_and_a_retry_repeats_it() {
 }
 
 /// PROTOCOL.md 5: "A connection silent for more than two heartbeats is closed" (close code
-/// 1001, PROTOCOL-EXTENSIONS.md), while one that keeps talking stays open.
+/// 1001, PROTOCOL.md 5, extension), while one that keeps talking stays open.
 #[tokio::test]
 async fn a_silent_connection_is_closed_with_1001_after_two_heartbeats() {
     let s = spawn_with(|c| c.heartbeat_ms = 200).await;
@@ -1366,12 +1366,12 @@ fn listen_addresses_take_a_host_name_and_port() {
 
 /// PROTOCOL.md 3: "WebSocket: the same header, or `?token=<token>` in the URL for browsers".
 /// (A connection with only `?token=` is pinned by
-/// `websocket_accepts_the_token_in_the_query_and_says_hello`.) Neither PROTOCOL.md nor
-/// PROTOCOL-EXTENSIONS.md says which counts when an upgrade carries both; the server reads
-/// the `Authorization: Bearer` header and then does not look at the query. This pins that
-/// choice: with two valid tokens of different users, the header's user is connected; with a
-/// bad bearer token in the header, a good one in the query does not rescue the upgrade
-/// (401 `unauthorized`, as for any bad token).
+/// `websocket_accepts_the_token_in_the_query_and_says_hello`.) When an upgrade carries both,
+/// the header counts (PROTOCOL.md 3, extension): the server reads the `Authorization:
+/// Bearer` header and then does not look at the query. This pins that choice: with two
+/// valid tokens of different users, the header's user is connected; with a bad bearer token
+/// in the header, a good one in the query does not rescue the upgrade (401 `unauthorized`,
+/// as for any bad token).
 #[tokio::test]
 async fn with_a_token_in_both_the_header_and_the_query_the_header_decides() {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;

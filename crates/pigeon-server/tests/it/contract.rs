@@ -1,4 +1,4 @@
-//! Sentences of PROTOCOL.md (and of PROTOCOL-EXTENSIONS.md where it fills a silence) pinned
+//! Sentences of PROTOCOL.md (the base contract, and extensions where they fill a silence) pinned
 //! one by one: defaults and caps, idempotency keys, versions, group mutes by an admin, reply
 //! and mention fields, content limits, refusals to strangers, rooms, unknown fields, the
 //! largest user id and readiness while draining.
@@ -104,7 +104,7 @@ async fn the_conversation_list_pages_by_50_by_default() {
 }
 
 /// PROTOCOL.md 6: `GET /v1/sync` takes `?user_seq=N&limit=100`, and pulls' `limit`
-/// "defaults to 100 and is capped at 200" (5.3). PROTOCOL-EXTENSIONS.md: `has_more` is
+/// "defaults to 100 and is capped at 200" (5.3). PROTOCOL.md 6 (extension): `has_more` is
 /// "true when `limit` cut `items` short", and `user_seq` is "the inbox's newest ... or, when
 /// `has_more`, the last item's `seq`".
 #[tokio::test]
@@ -181,7 +181,7 @@ async fn the_same_client_msg_id_from_two_senders_is_two_messages() {
 }
 
 /// PROTOCOL.md 6: `GET /v1/messages/{msg_id}/versions` answers
-/// `{"versions":[{"version":1,"content":"...","at":ms},...]}`; PROTOCOL-EXTENSIONS.md: "of a
+/// `{"versions":[{"version":1,"content":"...","at":ms},...]}`; its extension: "of a
 /// never-edited message lists its one version".
 #[tokio::test]
 async fn a_never_edited_message_has_exactly_its_first_version() {
@@ -325,7 +325,7 @@ async fn an_appointed_admin_mutes_and_unmutes_a_member() {
 }
 
 /// PROTOCOL.md 5.1: `{"type":"send",...,"content":"hi all","reply_to":"7301234567890123456",
-/// "mentions":[333]}`; PROTOCOL-EXTENSIONS.md: "A send's `reply_to` is kept as given (a
+/// "mentions":[333]}`; its extension: "A send's `reply_to` is kept as given (a
 /// `msg_id` string)". The message object carries `"reply_to"` and `"mentions"` (section 1).
 #[tokio::test]
 async fn reply_to_and_mentions_round_trip() {
@@ -479,7 +479,7 @@ async fn a_stranger_editing_another_pairs_message_learns_nothing() {
 
 /// PROTOCOL.md 7: `{"type":"room_leave","room_id":"r1"}`; `GET /v1/rooms/{id}` gives
 /// `{"room_id":"r1","viewers":N,...}`. After leaving, a connection gets no more of the room's
-/// batches, and its `room_send` is refused (`not_member`, PROTOCOL-EXTENSIONS.md: "`room_send`
+/// batches, and its `room_send` is refused (`not_member`, PROTOCOL.md 7, extension: "`room_send`
 /// needs the connection to have joined that room").
 #[tokio::test]
 async fn room_leave_stops_the_batches_and_the_sends() {

@@ -1,4 +1,4 @@
-//! Edges of PROTOCOL.md (and PROTOCOL-EXTENSIONS.md) pinned as the server behaves today:
+//! Edges of PROTOCOL.md (base and extensions) pinned as the server behaves today:
 //! empty pull pages past either chain's bounds and a conversation pull without its id; the
 //! logout of unknown and known users; who may dismiss a group and `member_count` after members leave; the exact
 //! shapes of empty lists, unread counts and rooms; rooms over HTTP and a burst of room
@@ -81,7 +81,7 @@ async fn pull_ranges_past_the_bounds_are_empty_and_a_conversation_pull_needs_its
 }
 
 /// PROTOCOL.md 6: `POST /v1/admin/users/{id}/logout` "revokes tokens"; for a user that does
-/// not exist, `not_found` | 404 | "no such ... user". PROTOCOL-EXTENSIONS.md: such changes
+/// not exist, `not_found` | 404 | "no such ... user". PROTOCOL.md 6 (extension): such changes
 /// answer `{}`.
 #[tokio::test]
 async fn logout_of_an_unknown_user_is_404_and_of_a_known_one_answers_an_empty_object() {
@@ -237,7 +237,7 @@ async fn rooms_over_http_need_a_token_count_viewers_down_and_close_once() {
     );
 }
 
-/// PROTOCOL-EXTENSIONS.md: room frames with a `req` are answered `{"type":"ok","req":N}`,
+/// PROTOCOL.md 5 (extension): room frames with a `req` are answered `{"type":"ok","req":N}`,
 /// and answers keep the order of the frames they answer. A burst of 300 `room_send`s (more
 /// than one batch holds: the surplus is dropped, "the sender is never told") gets 300 `ok`s,
 /// in order, and no `error`.
@@ -310,7 +310,7 @@ async fn unread_lists_only_conversations_with_something_unread() {
     let _dave = s.user(4).await;
     post_texts(&alice, "a", 2, 3, "x").await;
     post_texts(&carol, "c", 2, 2, "x").await;
-    // Bob's news in the group is its creation (read: PROTOCOL-EXTENSIONS.md) and an
+    // Bob's news in the group is its creation (read: PROTOCOL.md 6, extension) and an
     // invitation, a command message.
     let group = new_group(&alice, &[2, 3]).await;
     invite(&alice, &group, &[4]).await.expect("dave invited");

@@ -893,7 +893,7 @@ async fn a_send_then_a_pull_or_sync_are_answered_in_that_order() {
     }
 }
 
-/// PROTOCOL-EXTENSIONS.md: "A connection's frames are answered in the order they came": a
+/// PROTOCOL.md 5 (extension): "A connection's frames are answered in the order they came": a
 /// `ping` sent right after a run of `send`s gets its `pong` after every one of their
 /// `send_ack`s, so a client may use it as a barrier.
 #[tokio::test]
@@ -1057,7 +1057,7 @@ async fn a_read_is_committed_once_a_later_ping_is_answered() {
     }
 }
 
-/// PROTOCOL-EXTENSIONS.md: optional fields given as `null` read as absent: a `sync` with
+/// PROTOCOL.md 5.1 (extension): optional fields given as `null` read as absent; a `sync` with
 /// `"conversations": null` is answered like one without the field (not `invalid_argument`).
 #[tokio::test]
 async fn a_sync_with_null_conversations_is_answered_like_one_without_them() {
@@ -1085,7 +1085,7 @@ async fn a_sync_with_null_conversations_is_answered_like_one_without_them() {
     assert_eq!(null["conversations"][0]["conversation_id"], g.as_str());
 }
 
-/// PROTOCOL-EXTENSIONS.md: `GET /v1/sync`'s `user_seq` "is where the answer brings the
+/// PROTOCOL.md 6 (extension): `GET /v1/sync`'s `user_seq` "is where the answer brings the
 /// client": a pull-mode client that passes it back page after page gets every message
 /// exactly once, in order, and stops when `has_more` is false.
 #[tokio::test]
@@ -1137,7 +1137,7 @@ async fn a_pull_mode_client_passing_user_seq_back_gets_every_message_once() {
 /// `user_seq`) are resent too, the same frame, and (2) that one ack per chain naming only its
 /// newest seq stops the resends of the older pushes as well: a server that forgot only the
 /// exact seq named would send the older ones a third and a fourth time (up to 4 sends in
-/// all, PROTOCOL-EXTENSIONS.md) within the quiet second watched at the end.
+/// all, PROTOCOL.md 4, extension) within the quiet second watched at the end.
 #[tokio::test]
 async fn one_cumulative_ack_per_chain_stops_the_resends_of_every_push_it_covers() {
     // Long enough that the acks below go before any push has been sent its last time (a
@@ -1208,7 +1208,7 @@ async fn one_cumulative_ack_per_chain_stops_the_resends_of_every_push_it_covers(
     b.send(&json!({"type": "ack", "conversation_id": g, "seq": 3}))
         .await
         .unwrap();
-    // The pong comes after both acks are handled (PROTOCOL-EXTENSIONS.md: a ping is a
+    // The pong comes after both acks are handled (PROTOCOL.md 5, extension: a ping is a
     // barrier); resends written before it are skipped here.
     let pong = request(&mut b, json!({"type": "ping"}), 1).await;
     assert_eq!(pong["type"], "pong");

@@ -397,7 +397,7 @@ async fn a_websocket_send_to_an_unregistered_user_answers_not_found_with_its_req
     );
 }
 
-/// `ttl_secs: 0` mints a token that has already expired (PROTOCOL-EXTENSIONS.md): a way to
+/// `ttl_secs: 0` mints a token that has already expired (PROTOCOL.md 6, extension): a way to
 /// see an expired token refused, over HTTP and on the upgrade, without waiting.
 #[tokio::test]
 async fn a_token_minted_with_ttl_0_is_already_expired() {
@@ -714,7 +714,7 @@ async fn content_over_the_limit_answers_413_payload_too_large() {
 
 /// One user holds at most `max-connections-per-user` WebSocket connections: one more is
 /// refused before the upgrade with 429 `rate_limited` and a `retry_after_ms`
-/// (PROTOCOL-EXTENSIONS.md), other users are not affected, and a connection that closes
+/// (PROTOCOL.md 5, extension), other users are not affected, and a connection that closes
 /// makes room again.
 #[tokio::test]
 async fn one_user_holds_at_most_the_connections_per_user_limit() {
@@ -766,7 +766,7 @@ async fn one_user_holds_at_most_the_connections_per_user_limit() {
 }
 
 /// At most `max-open-connections` TCP connections are open at once, HTTP and WebSocket
-/// alike (PROTOCOL-EXTENSIONS.md): one more is answered 503 `unavailable` with a
+/// alike (PROTOCOL.md 2, extension): one more is answered 503 `unavailable` with a
 /// `retry_after_ms` and closed, and an upgraded WebSocket keeps its place until it closes.
 /// Past the connections being refused at once, new ones wait unanswered to be accepted.
 /// (The bound keeps sockets from taking the file descriptors the store needs.)
@@ -1081,7 +1081,7 @@ async fn the_upgrade_takes_the_listed_platforms_and_refuses_others() {
         req
     };
     let mut held = Vec::new();
-    // An empty one is one not given (PROTOCOL-EXTENSIONS.md).
+    // An empty one is one not given (PROTOCOL.md 6, extension).
     for platform in ["ios", "android", "web", "desktop", ""] {
         let ws = WsConn::connect_request(upgrade(platform))
             .await
@@ -1453,7 +1453,7 @@ async fn wrong_types_are_answered_without_rust_type_names() {
     }
 }
 
-/// docs/PROTOCOL-EXTENSIONS.md: a request's head holds at most 64 KiB. One just under
+/// PROTOCOL.md 2 (extension): a request's head holds at most 64 KiB. One just under
 /// is served; one over is refused with `431`, whether the HTTP layer saw it first (as it
 /// does with this client, which writes the head in pieces) or the head came whole.
 #[tokio::test]

@@ -436,7 +436,7 @@ async fn members_quit_but_the_owner_cannot() {
         "not_member"
     );
 
-    // The owner may not quit (they dismiss instead): 403 `forbidden` (PROTOCOL-EXTENSIONS.md),
+    // The owner may not quit (they dismiss instead): 403 `forbidden` (PROTOCOL.md 6, extension),
     // and nothing changes.
     let path = format!("/v1/groups/{id}/members/111");
     assert_eq!(
@@ -868,7 +868,7 @@ async fn a_dismissed_group_is_read_only() {
     let cmd = command_reaches_all(&mut [&mut a, &mut b, &mut c], &id, "group_dismissed").await;
     assert_eq!(cmd["seq"], 3);
     assert_eq!(cmd["sender"], 111);
-    // PROTOCOL-EXTENSIONS.md: "Command messages have `client_msg_id` `null`;
+    // PROTOCOL.md 1 (extension): "Command messages have `client_msg_id` `null`;
     // `group_dismissed` has `extra` `{}`".
     assert_eq!(cmd["extra"], json!({}), "{cmd}");
     assert!(cmd["client_msg_id"].is_null(), "{cmd}");
@@ -949,7 +949,7 @@ async fn creating_a_group_answers_what_reading_its_conversation_answers() {
     assert_eq!(created["member_count"], 3, "the owner counted: {created}");
 }
 
-/// PROTOCOL-EXTENSIONS.md: "Command messages have `client_msg_id` `null`; `group_dismissed`
+/// PROTOCOL.md 1 (extension): "Command messages have `client_msg_id` `null`; `group_dismissed`
 /// has `extra` `{}`". Every kind of command the server writes into a group's chain, as the
 /// history reads it.
 #[tokio::test]
@@ -1032,7 +1032,7 @@ async fn command_messages_have_no_client_msg_id_and_a_dismissal_no_parameters() 
     assert_eq!(dismissed["extra"], json!({}), "{dismissed}");
 }
 
-/// PROTOCOL-EXTENSIONS.md: "kick/quit, admin changes, mutes and dismiss answer `{}`"
+/// PROTOCOL.md 6 (extension): "kick/quit, admin changes, mutes and dismiss answer `{}`"
 /// (`PUT`/`DELETE /v1/groups/{id}/admins/{uid}` among them).
 #[tokio::test]
 async fn group_changes_other_than_create_update_and_invite_answer_an_empty_object() {
@@ -1082,7 +1082,7 @@ async fn group_changes_other_than_create_update_and_invite_answer_an_empty_objec
     }
 }
 
-/// PROTOCOL-EXTENSIONS.md: "The conversation list leaves out groups the caller has left or
+/// PROTOCOL.md 6 (extension): "The conversation list leaves out groups the caller has left or
 /// was removed from, and `GET /v1/conversations/{id}` of such a group answers `403
 /// not_member`; their history up to the removal stays readable". For a kicked member and
 /// for one who quit.

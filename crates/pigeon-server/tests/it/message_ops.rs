@@ -93,7 +93,7 @@ async fn the_sender_recalls_and_everyone_sees_it_recalled() {
     }
     // Nor does the conversation's last message, which stays the recalled one: the `recall`
     // command advances the chain but does not replace `last_message`
-    // (PROTOCOL-EXTENSIONS.md).
+    // (PROTOCOL.md 6, extension).
     for h in [&alice, &bob] {
         let c = h.get("/v1/conversations/111-222").await.unwrap();
         assert_eq!(c["seq"], seq + 1, "{c}");
@@ -285,7 +285,7 @@ async fn edits_grow_the_version_and_keep_every_version() {
         assert_eq!(ats[0], m["created_at"].as_i64().unwrap());
     }
     // The `edit` commands advance the chain but do not replace `last_message`: it stays the
-    // edited message, as it now reads (PROTOCOL-EXTENSIONS.md).
+    // edited message, as it now reads (PROTOCOL.md 6, extension).
     for h in [&alice, &bob] {
         let c = h.get("/v1/conversations/111-222").await.unwrap();
         assert_eq!(c["seq"], seq + 2, "{c}");

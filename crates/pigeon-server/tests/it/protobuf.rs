@@ -525,7 +525,7 @@ async fn a_read_fanout_push_carries_no_user_seq_over_protobuf() {
 }
 
 /// PROTOCOL.md 3 over `pigeon.v1.proto`: a logout's `kicked` (reason `token_revoked`) comes
-/// as a protobuf frame, and then the connection is closed with 1008 (PROTOCOL-EXTENSIONS.md).
+/// as a protobuf frame, and then the connection is closed with 1008 (PROTOCOL.md 5, extension).
 #[tokio::test]
 async fn a_logout_kicks_a_protobuf_connection_and_closes_it_with_1008() {
     let s = spawn_server().await;
@@ -552,7 +552,7 @@ async fn a_logout_kicks_a_protobuf_connection_and_closes_it_with_1008() {
 }
 
 /// Over `pigeon.v1.proto`: a frame with no reply of its own (here `ack`) that carries a `req`
-/// is answered `Ok` with that `req` (PROTOCOL-EXTENSIONS.md), and the `ack` moves the device's
+/// is answered `Ok` with that `req` (PROTOCOL.md 5, extension), and the `ack` moves the device's
 /// cursor (PROTOCOL.md 5.2): a `sync` without `user_seq` then starts from it ("Omitted numbers
 /// mean from my device's server-side cursor", PROTOCOL.md 5.3).
 #[tokio::test]

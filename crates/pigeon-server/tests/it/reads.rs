@@ -923,7 +923,7 @@ async fn typing_in_a_single_chat_before_its_first_message_is_relayed() {
     assert!(listed(&s.anon().with_bearer(ta)).await.is_empty());
 }
 
-/// PROTOCOL-EXTENSIONS.md: "a refused one answers an `error` frame with its `req`", every
+/// PROTOCOL.md 5 (extension): "a refused one answers an `error` frame with its `req`", every
 /// time: only a relayed typing counts for the once-a-second limit, so an outsider's second
 /// typing within the second is refused aloud too, not dropped.
 #[tokio::test]

@@ -179,7 +179,7 @@ async fn a_user_with_two_connections_is_in_one_room() {
 
 /// PROTOCOL.md 7: `GET /v1/rooms/{id}` gives "the most recent messages": a message is there
 /// as soon as its `room_send` is handled, not only after the next batch to the viewers
-/// (every 100 ms, PROTOCOL-EXTENSIONS.md).
+/// (every 100 ms, PROTOCOL.md 7, extension).
 #[tokio::test]
 async fn a_room_message_is_in_recent_as_soon_as_it_is_sent() {
     let s = spawn_server().await;
@@ -213,7 +213,7 @@ async fn a_room_message_is_in_recent_as_soon_as_it_is_sent() {
     }
 }
 
-/// PROTOCOL.md 7: "`DELETE /v1/admin/rooms/{id}` closes it"; PROTOCOL-EXTENSIONS.md:
+/// PROTOCOL.md 7: "`DELETE /v1/admin/rooms/{id}` closes it"; its extension:
 /// "Viewers of a room closed by `DELETE /v1/admin/rooms/{id}` get
 /// `{"type":"room_closed","room_id"}`". Every viewer is told (and nobody watching another
 /// room); afterwards the room is gone: `GET /v1/rooms/{id}` answers 404 `not_found` and a
