@@ -284,7 +284,11 @@ impl Hub {
         frame: &str,
         except: Option<(UserId, &DeviceId)>,
     ) {
-        let shared = Frame::shared(frame.to_owned());
+        // For one user, the user's: their devices share it.
+        let shared = match users {
+            [_] => Frame::for_user(frame.to_owned()),
+            _ => Frame::shared(frame.to_owned()),
+        };
         for u in users {
             self.each(*u, |c| {
                 if except.is_some_and(|(eu, ed)| eu == *u && *ed == c.device) {

@@ -6,9 +6,12 @@
 //! - a connection whose outbox would hold more than its bound is closed at once (1013), and
 //!   what it held is let go; its client reconnects and catches up by `sync` and `pull`;
 //! - a user's connections together, and the server's together, hold frames up to theirs:
-//!   past it, a connection holding more than its share of that bound (the bound over the
-//!   connections under it, at least [`MIN_SHARE`]) is closed as it is given its next frame,
-//!   so the connections that keep up are left alone.
+//!   past it, a connection that has not emptied its outbox for [`STUCK_AFTER`] and has more
+//!   queued than its share (half the bound over the connections under it, at least
+//!   [`MIN_SHARE`]) is closed as it is given its next frame. A connection that keeps up
+//!   empties its outbox at every write, however many frames a burst brings, and is left
+//!   alone. These two are thresholds, not hard bounds: what they count can pass them by the
+//!   share of each connection that is behind, until its next frame closes it.
 //!
 //! A frame is counted once however many outboxes share it (a push to every device of a
 //! user, a read fan-out push to every member), for as long as it lives: queued, or kept by
@@ -25,9 +28,14 @@ use tokio::sync::Notify;
 /// Frames a connection's outbox may hold before the connection counts as too slow.
 pub const OUTBOX_CAPACITY: usize = 4096;
 
-/// The least a connection may have queued before a spent budget closes it: one that keeps
-/// up has a few frames queued at most.
-pub const MIN_SHARE: usize = 128 * 1024;
+/// The least a connection may have queued before a spent budget closes it: a burst of a few
+/// of the largest pushes queues more, and a connection that takes it is not behind.
+pub const MIN_SHARE: usize = 1 << 20;
+
+/// How long an outbox must have been left unemptied before a spent budget closes its
+/// connection: a client that reads empties it at every write, and is then only busy with
+/// its own frames (a `pull` waiting for the store) for moments.
+pub const STUCK_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The bounds, in bytes.
 #[derive(Debug, Clone, Copy)]
@@ -72,7 +80,7 @@ impl Budget {
     /// budget is spent and the outbox is behind by more than its share of it (half the
     /// bound over the outboxes under it, at least [`MIN_SHARE`]). What the connections keep
     /// for resending counts in the budget, but not here: it is cut short while the budget
-    /// is spent (`ws/delivery.rs`), and a connection that keeps up queues next to nothing.
+    /// is spent (`ws/delivery.rs`).
     fn sheds(&self, queued: usize) -> bool {
         self.spent() && queued > self.share()
     }
@@ -232,14 +240,31 @@ struct OutboxShared {
     server: Arc<Budget>,
 }
 
-#[derive(Default)]
 struct OutboxState {
     frames: VecDeque<Outgoing>,
     /// Bytes of frame text in `frames`.
     queued: usize,
-    /// The reader is gone, or the connection was closed as too slow: frames are dropped.
+    /// When `frames` was last found empty by the reader.
+    emptied_at: std::time::Instant,
+    /// The reader is gone: nothing is queued any more.
     closed: bool,
+    /// The connection is ending (closed as too slow, or its loop is over): frames are
+    /// dropped, a request to save its positions is still taken.
+    frames_stopped: bool,
     kill_reason: Option<KillReason>,
+}
+
+impl Default for OutboxState {
+    fn default() -> Self {
+        OutboxState {
+            frames: VecDeque::new(),
+            queued: 0,
+            emptied_at: std::time::Instant::now(),
+            closed: false,
+            frames_stopped: false,
+            kill_reason: None,
+        }
+    }
 }
 
 /// Queue capacity an empty outbox keeps; a larger one (left by a burst) is given back.
@@ -302,14 +327,17 @@ impl Outbox {
         // A request to save positions is not a frame: a connection too slow for frames still
         // takes it (at most one per other connection of its device that opens).
         if let Some(frame) = out.frame() {
+            if state.frames_stopped {
+                return;
+            }
             frame.charge_to(&self.0.server, &self.0.user);
             let queued = state.queued + frame.len();
             // An outbox with nothing queued takes a frame of any size: one larger than a
             // bound would otherwise close every connection it is pushed to, each time.
+            let stuck = || state.emptied_at.elapsed() >= STUCK_AFTER;
             let past_bounds = state.queued > 0
                 && (queued > self.0.limit
-                    || self.0.user.sheds(queued)
-                    || self.0.server.sheds(queued));
+                    || ((self.0.user.sheds(queued) || self.0.server.sheds(queued)) && stuck()));
             if state.frames.len() >= OUTBOX_CAPACITY || past_bounds {
                 drop(state);
                 drop(out);
@@ -329,11 +357,9 @@ impl Outbox {
     pub fn close(&self, reason: KillReason) {
         let mut state = self.0.state.lock().expect("outbox lock");
         let first = *state.kill_reason.get_or_insert(reason);
-        let dropped = if first == KillReason::TooSlow && !state.closed {
+        let dropped = if first == KillReason::TooSlow && !state.frames_stopped {
             metrics::counter!("pigeon_connections_too_slow_total").increment(1);
-            state.closed = true;
-            state.queued = 0;
-            std::mem::take(&mut state.frames)
+            Self::stop_frames_of(&mut state)
         } else {
             VecDeque::new()
         };
@@ -341,6 +367,25 @@ impl Outbox {
         // Outside the lock: up to OUTBOX_CAPACITY frames.
         drop(dropped);
         self.0.kill.notify_one();
+    }
+
+    /// The connection is ending: what is queued for it and every frame sent after are let
+    /// go, while requests to save its positions are still taken (a new connection of the
+    /// device waits for them).
+    pub fn stop_frames(&self) {
+        let dropped = Self::stop_frames_of(&mut self.0.state.lock().expect("outbox lock"));
+        drop(dropped);
+    }
+
+    fn stop_frames_of(state: &mut OutboxState) -> VecDeque<Outgoing> {
+        state.frames_stopped = true;
+        state.queued = 0;
+        let (saves, frames): (VecDeque<Outgoing>, VecDeque<Outgoing>) =
+            std::mem::take(&mut state.frames)
+                .into_iter()
+                .partition(|o| matches!(o, Outgoing::SaveCursors(_)));
+        state.frames = saves;
+        frames
     }
 
     /// Completes once the connection is told to close (see [`Outbox::kill_reason`]).
@@ -383,10 +428,12 @@ impl OutboxReader {
         let out = state.frames.pop_front();
         match &out {
             Some(o) => state.queued -= o.frame().map_or(0, Frame::len),
-            None if state.frames.capacity() > OUTBOX_KEEP_CAPACITY => {
-                state.frames = VecDeque::new();
+            None => {
+                state.emptied_at = std::time::Instant::now();
+                if state.frames.capacity() > OUTBOX_KEEP_CAPACITY {
+                    state.frames = VecDeque::new();
+                }
             }
-            None => {}
         }
         out
     }
@@ -551,56 +598,75 @@ mod tests {
         assert_eq!((user.held(), other.held(), server.held()), (0, 0, 500));
     }
 
-    /// Past the server's bound, the connections holding more than their share are closed
-    /// as they get their next frame; one that keeps up is not.
+    /// Past the server's bound, a connection that has been behind for a while, by more than
+    /// its share, is closed as it gets its next frame; one that keeps up is not, whatever
+    /// the frames' size.
     #[test]
     fn past_a_spent_bound_only_connections_behind_are_closed() {
-        let server = Budget::new(1 << 20);
+        let server = Budget::new(4 << 20);
         let outbox =
             |server: &Arc<Budget>| Outbox::within(8 << 20, Budget::new(1 << 30), server.clone());
         let (slow_a, _ra) = outbox(&server);
         let (slow_b, _rb) = outbox(&server);
         let (reading, mut rr) = outbox(&server);
-        let chunk = "s".repeat(100_000);
-        // Two connections that never read hold nearly all of the server's 1 MiB.
-        for _ in 0..5 {
+        let chunk = "s".repeat(300_000);
+        // Two connections that never read take the server past its 4 MiB; they have not
+        // been behind long yet.
+        for _ in 0..7 {
             slow_a.send(frame(&chunk));
             slow_b.send(frame(&chunk));
         }
-        assert!(!server.spent());
-        // The reader takes each frame as it comes: each takes the server past its bound, but
-        // the reader holds less than its share (a third) and keeps going.
+        assert!(server.spent());
+        assert_eq!(slow_a.kill_reason(), None);
+        std::thread::sleep(STUCK_AFTER);
+        // The reader takes each frame as it comes, however large: it is never behind.
         for _ in 0..20 {
             reading.send(frame(&chunk));
-            assert!(server.spent());
             drop(rr.try_recv().unwrap());
         }
         assert_eq!(reading.kill_reason(), None);
-        // The next frame of a connection behind closes it, and its frames are let go.
+        // The next frame of a connection long behind closes it, and its frames are let go.
         slow_a.send(frame(&chunk));
         assert_eq!(slow_a.kill_reason(), Some(KillReason::TooSlow));
-        assert_eq!(server.held(), 500_000);
+        assert_eq!(server.held(), 7 * 300_000);
         assert_eq!(slow_b.kill_reason(), None);
     }
 
     /// One user's connections together are bounded too.
     #[test]
     fn a_users_connections_together_are_bounded() {
-        let (user, server) = (Budget::new(1 << 20), Budget::new(1 << 30));
+        let (user, server) = (Budget::new(2 << 20), Budget::new(1 << 30));
         let outboxes: Vec<_> = (0..4)
             .map(|_| Outbox::within(8 << 20, user.clone(), server.clone()))
             .collect();
-        let chunk = "u".repeat(100_000);
-        for _ in 0..4 {
+        std::thread::sleep(STUCK_AFTER);
+        let chunk = "u".repeat(300_000);
+        for _ in 0..5 {
             for (o, _) in &outboxes {
                 o.send(frame(&chunk));
             }
         }
-        assert!(user.held() <= (1 << 20) + chunk.len());
         assert!(
             outboxes
                 .iter()
                 .any(|(o, _)| o.kill_reason() == Some(KillReason::TooSlow))
         );
+        assert!(user.held() < 20 * chunk.len(), "what was closed was let go");
+    }
+
+    /// A connection closed as too slow, or ending, drops its frames but still takes a
+    /// request to save its positions, which a new connection of its device waits for.
+    #[test]
+    fn an_ending_connection_still_takes_a_request_to_save_its_positions() {
+        let (outbox, mut reader) = Outbox::new();
+        let (early, _early_rx) = tokio::sync::oneshot::channel();
+        outbox.send(Outgoing::SaveCursors(early));
+        outbox.send(frame("a push"));
+        outbox.stop_frames();
+        let (late, _late_rx) = tokio::sync::oneshot::channel();
+        outbox.send(Outgoing::SaveCursors(late));
+        outbox.send(frame("after"));
+        let left: Vec<String> = std::iter::from_fn(|| reader.try_recv()).map(text).collect();
+        assert_eq!(left, vec!["(save cursors)", "(save cursors)"]);
     }
 }

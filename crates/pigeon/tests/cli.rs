@@ -720,7 +720,8 @@ async fn counter(base: &str, name: &str) -> f64 {
 /// Members who connect and never read cannot make the server hold what is pushed to them:
 /// 50 of them in a group flooded with 4 KiB messages leave the server's peak resident
 /// memory under 300 MiB (each would otherwise hold thousands of pushes: gigabytes in all),
-/// they are closed as too slow, and a member who reads gets every push meanwhile.
+/// they are closed as too slow, and a member who reads gets every push meanwhile, with 300
+/// more connections open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_who_never_read_cannot_make_the_server_hold_their_pushes() {
     const IDLE: u64 = 50;
@@ -752,6 +753,20 @@ async fn members_who_never_read_cannot_make_the_server_hold_their_pushes() {
                 .await
                 .unwrap(),
         );
+    }
+    // Many more connections, idle: each connection's share of the server's bound is then
+    // its least, which a reader that keeps up must still never be closed for.
+    let mut bystanders = Vec::new();
+    for u in 1000..1030 {
+        admin.upsert_user(u, &format!("user{u}")).await.unwrap();
+        let token = admin.mint_token(u, 3600).await.unwrap();
+        for d in 0..10 {
+            bystanders.push(
+                WsConn::connect(&ws_base, &token, &format!("d{d}"))
+                    .await
+                    .unwrap(),
+            );
+        }
     }
     let mut reader = WsConn::connect(&ws_base, &tokens[&2], "reads")
         .await
@@ -822,5 +837,5 @@ async fn members_who_never_read_cannot_make_the_server_hold_their_pushes() {
         too_slow >= (IDLE / 2) as f64,
         "{too_slow} connections were closed as too slow"
     );
-    drop(idle);
+    drop((idle, bystanders));
 }

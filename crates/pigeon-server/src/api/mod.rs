@@ -326,7 +326,8 @@ async fn body_within<S: Send + Sync>(
         Err(e) => {
             tracing::debug!(error = %e.body_text(), "a request body could not be read");
             Err(ApiError::invalid(format!(
-                "the request body did not arrive whole within {} s",
+                "the request body could not be read: it stopped, was malformed, or did not \
+                 arrive whole within {} s",
                 limit.as_secs_f64()
             )))
         }
@@ -467,7 +468,8 @@ mod tests {
         assert_eq!(err.code, ErrorCode::InvalidArgument);
         assert_eq!(
             err.message,
-            "the request body did not arrive whole within 30 s"
+            "the request body could not be read: it stopped, was malformed, or did not \
+             arrive whole within 30 s"
         );
     }
 

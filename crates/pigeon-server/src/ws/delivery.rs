@@ -183,25 +183,28 @@ impl Connection {
     /// (`wait_for_own_sends`) are committed first too.
     pub(super) async fn flush_cursors(&mut self, wait: bool) {
         if self.cursors_dirty {
-            self.cursors_dirty = false;
             self.last_cursor_flush = Instant::now();
+            // Each position leaves the map once it is queued, not before: a flush cut short
+            // (its connection killed while it waits on a full pipeline) leaves the rest to
+            // the next one, which the connection's end makes.
             let mut cmds = Vec::with_capacity(self.cursors.len());
-            for (chain, seq) in std::mem::take(&mut self.cursors) {
+            self.cursors.retain(|chain, seq| {
                 let chain = if chain == "user" {
                     CursorChain::Inbox
                 } else {
-                    match ConversationId::parse(&chain) {
+                    match ConversationId::parse(chain) {
                         Ok(c) => CursorChain::Conversation(c),
-                        Err(_) => continue,
+                        Err(_) => return false,
                     }
                 };
                 cmds.push(Command::AdvanceCursor {
                     user: self.user,
                     device: self.device.clone(),
                     chain,
-                    seq,
+                    seq: *seq,
                 });
-            }
+                true
+            });
             // A group's position costs the store a journaled row and two lookups whatever
             // id an ack names (`Changes::member_cursors`): each takes one write from the
             // user's allowance, as a read mark does. Past it they are not saved (the device
@@ -210,14 +213,21 @@ impl Connection {
             if groups > 0 && !self.app.limits.take_writes(self.user, groups) {
                 metrics::counter!("pigeon_cursor_saves_dropped_total").increment(groups as u64);
                 cmds.retain(|c| !is_group_cursor(c));
+                self.cursors.retain(|chain, _| chain == "user");
             }
             // Committed by the next barrier: a read's, the close's, or the one below.
             self.sent_on(Tier::Fast);
             for cmd in cmds {
+                let key = match &cmd {
+                    Command::AdvanceCursor { chain, .. } => chain.key().to_owned(),
+                    _ => unreachable!("only cursor moves are queued here"),
+                };
                 if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
                     tracing::warn!(error = %e, user = %self.user, "cursor not saved");
                 }
+                self.cursors.remove(&key);
             }
+            self.cursors_dirty = !self.cursors.is_empty();
         }
         if wait {
             // Queued first, waited for after: the pipeline is FIFO, so one barrier covers

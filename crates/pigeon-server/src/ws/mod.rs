@@ -216,6 +216,9 @@ enum Stop {
     /// client that waits for the close handshake and reconnects finds where it stopped.
     ClientClosed,
     Gone,
+    /// The outbox was killed (a logout, or too slow) while the loop was writing: what is
+    /// queued (a `kicked` frame) is written as [`Writer::stop_for_kill`] does.
+    Killed,
 }
 
 /// The state of one connection, owned by its task.
@@ -318,13 +321,15 @@ impl<'a> Writer<'a> {
         Err(ended)
     }
 
-    /// After the outbox was killed: writes what it holds (a `kicked` frame; a connection
-    /// too slow holds nothing) for at most [`CLOSE_WAIT`], and says how the connection
-    /// closes.
+    /// After the outbox was killed: writes what it holds (a `kicked` frame) for at most
+    /// [`CLOSE_WAIT`], and says how the connection closes. A connection too slow holds no
+    /// frame, only requests to save its positions, which are handled without waiting on
+    /// its socket.
     async fn stop_for_kill(&mut self, conn: &mut Connection) -> Stop {
+        let too_slow = conn.outbox.kill_reason() == Some(KillReason::TooSlow);
         let write = async {
             feed_queued(conn, self.sink, self.out_rx, self.codec, None, usize::MAX).await
-                && self.sink.flush().await.is_ok()
+                && (too_slow || self.sink.flush().await.is_ok())
         };
         let _ = tokio::time::timeout(CLOSE_WAIT, write).await;
         kill_stop(&conn.outbox)
@@ -341,21 +346,30 @@ async fn shutdown_begun(shutdown: &mut tokio::sync::watch::Receiver<bool>) {
 /// socket failed, or as too slow (1013) when the client has not taken it within `stall`
 /// ([`Connection::write_stall`]), so a client that stops reading cannot hold its task, its
 /// outbox and its unacknowledged pushes for ever (the heartbeat is checked only between
-/// writes); and at once when its outbox is killed meanwhile (past its bounds, a logout),
-/// however long the write would have waited.
+/// writes); and when its outbox is killed meanwhile: at once when it is too slow, however
+/// long the write would have waited, and after the write (for at most [`CLOSE_WAIT`]) when
+/// it was logged out, so that its `kicked` frame, which the write may hold, still goes.
 async fn write_within(
     stall: Duration,
     kill: &Outbox,
     write: impl Future<Output = bool>,
 ) -> Result<(), Stop> {
-    tokio::select! {
+    let write = tokio::time::timeout(stall, write);
+    tokio::pin!(write);
+    let done = tokio::select! {
         biased;
-        _ = kill.killed() => Err(kill_stop(kill)),
-        done = tokio::time::timeout(stall, write) => match done {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(Stop::Gone),
-            Err(_) => Err(Stop::Close(1013, "too slow; reconnect and sync")),
-        },
+        _ = kill.killed() => {
+            if kill.kill_reason() != Some(KillReason::TooSlow) {
+                let _ = tokio::time::timeout(CLOSE_WAIT, &mut write).await;
+            }
+            return Err(Stop::Killed);
+        }
+        done = &mut write => done,
+    };
+    match done {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Stop::Gone),
+        Err(_) => Err(Stop::Close(1013, "too slow; reconnect and sync")),
     }
 }
 
@@ -604,7 +618,7 @@ async fn run(
                             let _ = sink.feed(codec.message(r.into())).await;
                         }
                     };
-                    let _ = Box::pin(tokio::time::timeout(stall, write)).await;
+                    let _ = Box::pin(tokio::time::timeout(CLOSE_WAIT.min(stall), write)).await;
                     break Stop::Close(1008, "too many bad frames");
                 }
                 // What was queued for this connection before these replies goes first: a
@@ -663,6 +677,19 @@ async fn run(
             }
         }
     };
+    let stop = match stop {
+        Stop::Killed => {
+            Box::pin(
+                Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec).stop_for_kill(&mut conn),
+            )
+            .await
+        }
+        stop => stop,
+    };
+    // Nothing more is written to this client: what is sent to it from here is let go at
+    // once, not held for the close's waits, and so is what it kept for resending.
+    conn.outbox.stop_frames();
+    conn.unacked.clear();
     if let Some(room) = conn.room.take() {
         app.rooms.leave(&room, conn.user, conn.registration.id());
     }
@@ -671,8 +698,6 @@ async fn run(
             // Queued before the close frame, which a stuck socket can hold up to CLOSE_WAIT:
             // a new connection of the device waits for these, not for that.
             Box::pin(conn.flush_cursors(false)).await;
-            // Nothing is resent from here: what it kept is let go now, not after the wait.
-            conn.unacked.clear();
             let deadline = tokio::time::Instant::now() + CLOSE_WAIT;
             // A client that stopped reading cannot hold the task here either.
             let _ = tokio::time::timeout_at(deadline, sink.send(close(code, reason))).await;
@@ -688,7 +713,8 @@ async fn run(
             // The WebSocket queued its reply to the client's close frame; closing sends it.
             let _ = tokio::time::timeout(CLOSE_WAIT, sink.close()).await;
         }
-        Stop::Gone => Box::pin(conn.flush_cursors(true)).await,
+        // (`Killed` became a close above.)
+        Stop::Gone | Stop::Killed => Box::pin(conn.flush_cursors(true)).await,
     }
 }
 

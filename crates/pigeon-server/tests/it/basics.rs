@@ -288,6 +288,40 @@ async fn a_long_poll_waiting_at_a_logout_ends_unauthorized() {
     );
 }
 
+/// A logout that comes while a write to the connection is stuck (its client paused
+/// reading through a flood of pushes) still ends it with `kicked` before its 1008, once the
+/// client reads again within a second: the write under way is finished, not dropped with
+/// the `kicked` frame queued behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_logout_while_a_write_is_stuck_still_sends_kicked() {
+    let s = spawn_server().await;
+    let alice = s.user(111).await;
+    let token = s.token(222).await;
+    let mut bob = s.ws(&token, "phone").await;
+    // Far more than the socket's buffers hold: the server's writes to Bob stall.
+    let big = "k".repeat(60_000);
+    for i in 0..200 {
+        alice
+            .post(
+                "/v1/messages",
+                &text_to_user(&format!("big-{i}"), 222, &big),
+            )
+            .await
+            .unwrap();
+    }
+    s.admin
+        .post("/v1/admin/users/222/logout", &json!({}))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let kicked = bob
+        .recv_until(WAIT, |v| v["type"] == "kicked")
+        .await
+        .unwrap();
+    assert!(kicked.is_some(), "no kicked frame");
+    assert_eq!(bob.closed(WAIT).await, Some(1008));
+}
+
 /// PROTOCOL.md 3 and 5: revoked tokens "stop working at once, and that user's open
 /// connections receive `kicked` and are closed".
 #[tokio::test]
