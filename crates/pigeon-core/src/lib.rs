@@ -15,6 +15,8 @@ pub mod rules;
 pub mod snowflake;
 pub mod state;
 pub mod store;
+#[cfg(feature = "store-suite")]
+pub mod store_suite;
 pub mod until_committed;
 pub mod user_stage;
 

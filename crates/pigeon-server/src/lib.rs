@@ -22,4 +22,4 @@ pub mod webhook;
 pub mod ws;
 
 pub use config::{Config, ServeArgs};
-pub use server::{Running, start};
+pub use server::{Running, start, start_with_store};

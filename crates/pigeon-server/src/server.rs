@@ -72,12 +72,13 @@ async fn secret(
     Ok((v, true))
 }
 
-/// Opens everything and starts serving on `cfg.listen`.
+/// Opens everything (the embedded store under `cfg.data_dir`) and starts serving on
+/// `cfg.listen`.
 pub async fn start(cfg: Config) -> Result<Running, StartError> {
     crate::protobuf::Schema::get().map_err(StartError::Schema)?;
     // Before the store opens: what its recovery counts (a journaled batch the tables refuse,
     // which is data lost) must reach `/metrics`, shown from 0 so an alert sees it rise.
-    let metrics = metrics_handle();
+    metrics_handle();
     metrics::counter!("pigeon_batches_set_aside_total").increment(0);
     let durability = match cfg.durability {
         DurabilityMode::Fsync => Durability::Fsync,
@@ -92,6 +93,14 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
         .await
         .map_err(|e| pigeon_core::StoreError(e.to_string()))??,
     );
+    start_with_store(cfg, store).await
+}
+
+/// Starts serving on `cfg.listen` over `store`, opened already (tests wrap the embedded
+/// store to make it fail).
+pub async fn start_with_store(cfg: Config, store: Arc<dyn Store>) -> Result<Running, StartError> {
+    crate::protobuf::Schema::get().map_err(StartError::Schema)?;
+    let metrics = metrics_handle();
     let (admin_key, admin_key_generated) =
         secret(&*store, "admin_key", cfg.admin_key.as_deref()).await?;
     let (token_secret, _) = secret(&*store, "token_secret", None).await?;

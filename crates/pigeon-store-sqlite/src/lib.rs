@@ -709,6 +709,43 @@ pub(crate) fn temp_dir(name: &str) -> PathBuf {
     d
 }
 
+/// The store port's suite, stamped onto this adapter (`pigeon_core::store_suite`).
+#[cfg(test)]
+mod store_suite {
+    use super::*;
+
+    /// A fresh store in a directory of its own, removed when it is dropped.
+    struct Fresh {
+        store: Option<SqliteStore>,
+        dir: PathBuf,
+    }
+
+    impl std::ops::Deref for Fresh {
+        type Target = SqliteStore;
+        fn deref(&self) -> &SqliteStore {
+            self.store.as_ref().expect("open")
+        }
+    }
+
+    impl Drop for Fresh {
+        fn drop(&mut self) {
+            drop(self.store.take());
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    async fn fresh() -> Fresh {
+        let dir = temp_dir("suite");
+        let store = SqliteStore::open(&dir, Durability::Fsync).expect("a fresh store opens");
+        Fresh {
+            store: Some(store),
+            dir,
+        }
+    }
+
+    pigeon_core::store_suite!(fresh);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

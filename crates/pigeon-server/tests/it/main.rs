@@ -96,6 +96,11 @@ pub async fn start_on(cfg: Config, dir: std::sync::Arc<TempDir>) -> TestServer {
     let running = pigeon_server::start(cfg.clone())
         .await
         .expect("server starts");
+    serving(running, cfg, dir)
+}
+
+/// The test server of a server started already.
+pub fn serving(running: Running, cfg: Config, dir: std::sync::Arc<TempDir>) -> TestServer {
     let base = format!("http://{}", running.addr);
     let ws_base = format!("ws://{}", running.addr);
     let admin = Http::new(base.clone()).with_bearer(ADMIN_KEY);

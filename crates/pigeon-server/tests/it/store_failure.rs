@@ -1,81 +1,216 @@
-//! The store failing under the pipeline, for real: another connection holds the SQLite
-//! database's write lock for longer than the server's busy timeout, so the journal's batches
-//! cannot reach the tables.
+//! The store failing under the pipeline, through a wrapper around the embedded store
+//! ([`Faulty`]) whose commits a test can hold back or refuse:
 //!
-//! - A batch already journaled is acknowledged and lost by nothing: it reaches the tables once
-//!   the lock is gone, at the seq its ack gave.
-//! - With the journal's backlog full (a 1 KiB limit here), the next commit fails after its
-//!   wait, and the batch decided on top of it (the pipeline decides batch N+1 while batch N
-//!   commits) is refused with it: all `unavailable`, nothing of either stored, and seqs go on
-//!   from what the store holds, with no gap and no seq given twice. Meanwhile `/readyz`
-//!   answers 503, and 200 again once a commit goes through.
+//! - A failed commit refuses its batch and the batch decided on top of it (the pipeline
+//!   decides batch N+1 while batch N commits): all `unavailable`, nothing of either stored,
+//!   and seqs go on from what the store holds, with no gap and no seq given twice.
+//!   Meanwhile `/readyz` answers 503, and 200 again once a commit goes through.
+//! - Commits held back do not hold back the answers of the connection waiting for them,
+//!   nor the server's stop.
 
 use crate::*;
+use pigeon_core::StoreError;
+use pigeon_core::changes::Changes;
+use pigeon_core::store::{
+    AuditedMessage, HistoryQuery, KeyCursor, KeyPage, ListCursor, Loaded, Membership, Needs, Store,
+    UserRecord,
+};
+use pigeon_proto::frames::SyncConversation;
+use pigeon_proto::views::{ChainItem, ConversationView, MemberView, VersionView};
+use pigeon_proto::{ConversationId, Message, MsgId, UserId};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Another connection takes the server's SQLite write lock and holds it for `hold`; returns
-/// once it is held, with the thread and a flag set just before the lock is let go.
-fn hold_write_lock(
-    s: &TestServer,
-    hold: Duration,
-) -> (std::thread::JoinHandle<()>, Arc<AtomicBool>) {
-    let db = s.dir.0.join("pigeon.db");
-    let released = Arc::new(AtomicBool::new(false));
-    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
-    let holder = {
-        let released = released.clone();
-        std::thread::spawn(move || {
-            let c = rusqlite::Connection::open(db).unwrap();
-            c.busy_timeout(Duration::from_secs(5)).unwrap();
-            c.execute_batch("BEGIN IMMEDIATE").unwrap();
-            locked_tx.send(()).unwrap();
-            std::thread::sleep(hold);
-            released.store(true, Ordering::SeqCst);
-            c.execute_batch("ROLLBACK").unwrap();
-        })
-    };
-    locked_rx.recv().unwrap();
-    (holder, released)
+/// The embedded store, with commits that can be held back ([`Faulty::hold`]) or refused
+/// ([`Faulty::refuse_commits`]); everything else goes straight through.
+struct Faulty {
+    inner: pigeon_store_sqlite::SqliteStore,
+    refusing: AtomicBool,
+    gate: Arc<tokio::sync::RwLock<()>>,
+}
+
+impl Faulty {
+    /// Holds every commit back until the guard is dropped.
+    async fn hold(&self) -> tokio::sync::OwnedRwLockWriteGuard<()> {
+        self.gate.clone().write_owned().await
+    }
+
+    fn refuse_commits(&self, refuse: bool) {
+        self.refusing.store(refuse, Ordering::SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Faulty {
+    async fn load(&self, needs: Needs) -> Result<Loaded, StoreError> {
+        self.inner.load(needs).await
+    }
+    async fn caught_up(&self) -> Result<(), StoreError> {
+        self.inner.caught_up().await
+    }
+    async fn commit(&self, changes: Changes) -> Result<(), StoreError> {
+        let _open = self.gate.read().await;
+        if self.refusing.load(Ordering::SeqCst) {
+            return Err(StoreError("the disk is full".into()));
+        }
+        self.inner.commit(changes).await
+    }
+    async fn close(&self) {
+        self.inner.close().await
+    }
+    async fn max_msg_id(&self) -> Result<u64, StoreError> {
+        self.inner.max_msg_id().await
+    }
+    async fn idempotency_key_count(&self) -> Result<u64, StoreError> {
+        self.inner.idempotency_key_count().await
+    }
+    async fn idempotency_keys(
+        &self,
+        after: Option<KeyCursor>,
+        limit: usize,
+    ) -> Result<KeyPage, StoreError> {
+        self.inner.idempotency_keys(after, limit).await
+    }
+    async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError> {
+        self.inner.meta_get(key).await
+    }
+    async fn meta_set(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        self.inner.meta_set(key, value).await
+    }
+    async fn user(&self, user: UserId) -> Result<Option<UserRecord>, StoreError> {
+        self.inner.user(user).await
+    }
+    async fn membership(
+        &self,
+        conv: &ConversationId,
+        user: UserId,
+    ) -> Result<Option<Membership>, StoreError> {
+        self.inner.membership(conv, user).await
+    }
+    async fn conversation_exists(&self, conv: &ConversationId) -> Result<bool, StoreError> {
+        self.inner.conversation_exists(conv).await
+    }
+    async fn history(
+        &self,
+        conv: &ConversationId,
+        reader: UserId,
+        range: (u64, u64),
+        query: HistoryQuery,
+    ) -> Result<(Vec<Message>, bool), StoreError> {
+        self.inner.history(conv, reader, range, query).await
+    }
+    async fn conversations(
+        &self,
+        user: UserId,
+        only: Option<&ConversationId>,
+        after: Option<ListCursor>,
+        limit: u32,
+        include_hidden: bool,
+    ) -> Result<Vec<ConversationView>, StoreError> {
+        self.inner
+            .conversations(user, only, after, limit, include_hidden)
+            .await
+    }
+    async fn members(
+        &self,
+        conv: &ConversationId,
+        after: Option<UserId>,
+        limit: u32,
+    ) -> Result<Vec<MemberView>, StoreError> {
+        self.inner.members(conv, after, limit).await
+    }
+    async fn message(&self, msg_id: MsgId) -> Result<Option<AuditedMessage>, StoreError> {
+        self.inner.message(msg_id).await
+    }
+    async fn versions(&self, msg_id: MsgId) -> Result<Vec<VersionView>, StoreError> {
+        self.inner.versions(msg_id).await
+    }
+    async fn is_hidden_for(&self, user: UserId, msg_id: MsgId) -> Result<bool, StoreError> {
+        self.inner.is_hidden_for(user, msg_id).await
+    }
+    async fn inbox_head(&self, user: UserId) -> Result<u64, StoreError> {
+        self.inner.inbox_head(user).await
+    }
+    async fn connect_state(&self, user: UserId) -> Result<(u64, Option<u64>), StoreError> {
+        self.inner.connect_state(user).await
+    }
+    async fn pull_inbox(
+        &self,
+        user: UserId,
+        from: u64,
+        to: u64,
+        limit: u32,
+    ) -> Result<(Vec<ChainItem>, bool), StoreError> {
+        self.inner.pull_inbox(user, from, to, limit).await
+    }
+    async fn cursor(&self, user: UserId, device: &str, chain: &str) -> Result<u64, StoreError> {
+        self.inner.cursor(user, device, chain).await
+    }
+    async fn read_fanout_changes(
+        &self,
+        user: UserId,
+        device: &str,
+        given: &HashMap<String, u64>,
+    ) -> Result<Vec<SyncConversation>, StoreError> {
+        self.inner.read_fanout_changes(user, device, given).await
+    }
+    async fn unread(&self, user: UserId) -> Result<Vec<(ConversationId, u64, bool)>, StoreError> {
+        self.inner.unread(user).await
+    }
+    async fn receipts(
+        &self,
+        conv: &ConversationId,
+        seq: u64,
+    ) -> Result<(Vec<UserId>, Vec<UserId>), StoreError> {
+        self.inner.receipts(conv, seq).await
+    }
+}
+
+/// A server over a [`Faulty`] store, and the store.
+async fn faulty_server() -> (TestServer, Arc<Faulty>) {
+    let dir = Arc::new(TempDir::new());
+    let cfg = test_config(&dir);
+    let inner =
+        pigeon_store_sqlite::SqliteStore::open(&dir.0, pigeon_store_sqlite::Durability::Fsync)
+            .expect("the store opens");
+    let store = Arc::new(Faulty {
+        inner,
+        refusing: AtomicBool::new(false),
+        gate: Arc::new(tokio::sync::RwLock::new(())),
+    });
+    let running = pigeon_server::start_with_store(cfg.clone(), store.clone())
+        .await
+        .expect("server starts");
+    (serving(running, cfg, dir), store)
 }
 
 #[tokio::test]
-async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_one_survives() {
-    let s = spawn_with(|c| c.journal_backlog_kib = 1).await;
+async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it() {
+    let (s, store) = faulty_server().await;
     let alice = s.user(1).await;
     s.user(2).await;
     let mut ws = s.ws(&s.token(1).await, "d1").await;
     let zero = request(&mut ws, send_frame(text_to_user("c0", 2, "zero")), 1).await;
     assert_eq!(zero["type"], "send_ack", "{zero}");
     let conv = zero["conversation_id"].as_str().unwrap().to_owned();
-    // A read waits until the tables hold "zero", so the lock below is not taken mid-apply.
-    assert_eq!(alice.whole_history(&conv).await.unwrap().len(), 1);
 
-    // Longer than the server's busy timeout and its wait for room in the journal's backlog
-    // (5 s each): the apply fails (and is retried), the next commit gives up.
-    let (holder, _) = hold_write_lock(&s, Duration::from_millis(6_500));
-
-    // A is journaled (the backlog was empty) and acknowledged; the tables cannot take it.
-    // Its record alone fills the backlog's KiB.
-    let one = "one ".repeat(300);
-    let a = request(&mut ws, send_frame(text_to_user("c1", 2, &one)), 1000).await;
-    assert_eq!(
-        (a["type"].as_str(), a["seq"].as_u64()),
-        (Some("send_ack"), Some(2)),
-        "{a}"
-    );
-    // B finds the backlog full and waits in its commit; then a chunk of sends arrives, which
-    // the pipeline decides on top of B while B's commit waits.
-    let mut b = send_frame(text_to_user("c2", 2, "two"));
+    // B is decided and its commit held back; a chunk of sends is decided on top of it
+    // meanwhile; then B's commit fails.
+    let held = store.hold().await;
+    store.refuse_commits(true);
+    let mut b = send_frame(text_to_user("c1", 2, "one"));
     b["req"] = json!(1001);
     ws.send(&b).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let chunk = pigeon_server::pipeline::DECIDE_CHUNK as i64;
     for k in 0..chunk {
         let mut b = send_frame(text_to_user(&format!("b{k}"), 2, &format!("b{k}")));
         b["req"] = json!(2000 + k);
         ws.send(&b).await.unwrap();
     }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(held);
     for req in std::iter::once(1001).chain((0..chunk).map(|k| 2000 + k)) {
         let reply = ws
             .recv_until(Duration::from_secs(20), |v| v["req"] == json!(req))
@@ -96,15 +231,15 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
         .await
         .unwrap();
     assert_eq!((status, &body["status"]), (503, &json!("commits failing")));
-    holder.join().unwrap();
 
-    // The store is the truth again: A reached the tables, the next message takes seq 3, and
-    // the refused sends are new messages when retried (they were never stored), not
-    // duplicates, at the seqs that follow.
-    let c = request(&mut ws, send_frame(text_to_user("c3", 2, "three")), 4).await;
+    // The store is the truth again: the next message takes seq 2, and the refused sends are
+    // new messages when retried (they were never stored), not duplicates, at the seqs that
+    // follow.
+    store.refuse_commits(false);
+    let c = request(&mut ws, send_frame(text_to_user("c2", 2, "two")), 4).await;
     assert_eq!(
         (c["type"].as_str(), c["seq"].as_u64()),
-        (Some("send_ack"), Some(3)),
+        (Some("send_ack"), Some(2)),
         "{c}"
     );
     // A commit went through: ready again at once.
@@ -113,17 +248,11 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
         .await
         .unwrap();
     assert_eq!(status, 200, "{body}");
-    let retry = request(&mut ws, send_frame(text_to_user("c2", 2, "two")), 5).await;
+    let retry = request(&mut ws, send_frame(text_to_user("c1", 2, "one")), 5).await;
     assert_eq!(
         (retry["seq"].as_u64(), retry["duplicate"].as_bool()),
-        (Some(4), Some(false)),
+        (Some(3), Some(false)),
         "{retry}"
-    );
-    let again = request(&mut ws, send_frame(text_to_user("c1", 2, &one)), 6).await;
-    assert_eq!(
-        (again["seq"].as_u64(), again["duplicate"].as_bool()),
-        (Some(2), Some(true)),
-        "A was stored once: {again}"
     );
     for k in 0..chunk {
         let r = request(
@@ -134,7 +263,7 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
         .await;
         assert_eq!(
             (r["seq"].as_i64(), r["duplicate"].as_bool()),
-            (Some(5 + k), Some(false)),
+            (Some(4 + k), Some(false)),
             "{r}"
         );
     }
@@ -148,39 +277,37 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it_and_a_journaled_
             )
         })
         .collect();
-    let mut want: Vec<(u64, String)> = vec![
-        (1, "zero".into()),
-        (2, one),
-        (3, "three".into()),
-        (4, "two".into()),
-    ];
-    want.extend((0..chunk as u64).map(|k| (5 + k, format!("b{k}"))));
+    let mut want: Vec<(u64, String)> =
+        vec![(1, "zero".into()), (2, "two".into()), (3, "one".into())];
+    want.extend((0..chunk as u64).map(|k| (4 + k, format!("b{k}"))));
     assert_eq!(seen, want);
 }
 
 /// While a connection's `ping` waits for its sends to commit, what they are answered with is
-/// written as it comes: a burst larger than the outbox (4 096 frames) whose commits stall
-/// behind a held write lock (a 1 KiB journal backlog: each commit waits until the tables
-/// took the one before) is answered with every `send_ack` and then the `pong`, with no close
-/// as too slow (1013), however long the burst's commits lag behind the reads.
+/// written as it comes: a burst larger than the outbox (4 096 frames) whose commits are held
+/// back is answered with every `send_ack` and then the `pong`, with no close as too slow
+/// (1013), however long the burst's commits lag behind the reads.
 #[tokio::test]
 async fn a_ping_waiting_behind_stalled_commits_still_writes_the_acks_that_come() {
-    let s = spawn_with(|c| c.journal_backlog_kib = 1).await;
+    let (s, store) = faulty_server().await;
     s.user(2).await;
     let mut ws = s.ws(&s.token(1).await, "d1").await;
     let first = request(&mut ws, send_frame(text_to_user("s0", 2, "zero")), 1).await;
     assert_eq!(first["type"], "send_ack", "{first}");
 
-    // Shorter than the server's busy timeout: the stalled commits succeed afterwards.
-    let (holder, _) = hold_write_lock(&s, Duration::from_millis(1_500));
+    let held = store.hold().await;
     const N: i64 = 6_000;
     let mut burst = sends_to_user("s", 2, N, 10);
     burst.push(json!({"type": "ping", "req": 9}).to_string());
     ws.send_burst(burst).await.unwrap();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        drop(held);
+    });
     let (acked, pong) = acks_before(&mut ws, 9).await;
     assert_eq!(pong["type"], "pong", "{pong}");
     assert_eq!(acked, N, "every send_ack comes before the pong");
-    holder.join().unwrap();
+    release.await.unwrap();
 }
 
 /// A connection whose `ping` waits behind stalled commits still ends when the server
@@ -188,17 +315,29 @@ async fn a_ping_waiting_behind_stalled_commits_still_writes_the_acks_that_come()
 /// barrier's wait is over.
 #[tokio::test]
 async fn a_connection_waiting_at_its_barrier_is_closed_when_the_server_stops() {
-    let mut s = spawn_with(|c| c.journal_backlog_kib = 1).await;
+    let (mut s, store) = faulty_server().await;
     s.user(2).await;
     let mut ws = s.ws(&s.token(1).await, "d1").await;
     let first = request(&mut ws, send_frame(text_to_user("w0", 2, "zero")), 1).await;
     assert_eq!(first["type"], "send_ack", "{first}");
 
-    let (holder, released) = hold_write_lock(&s, Duration::from_millis(4_000));
+    let released = Arc::new(AtomicBool::new(false));
+    let holder = {
+        let (store, released) = (store.clone(), released.clone());
+        let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+        let holder = tokio::spawn(async move {
+            let held = store.hold().await;
+            held_tx.send(()).unwrap();
+            tokio::time::sleep(Duration::from_millis(4_000)).await;
+            released.store(true, Ordering::SeqCst);
+            drop(held);
+        });
+        held_rx.await.unwrap();
+        holder
+    };
     let mut burst = sends_to_user("w", 2, 50, 10);
     burst.push(json!({"type": "ping", "req": 9}).to_string());
     ws.send_burst(burst).await.unwrap();
-    // The first of them is journaled; the next commit waits for the tables.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let running = s.running.take().unwrap();
     let stopping = tokio::spawn(running.shutdown());
@@ -208,6 +347,6 @@ async fn a_connection_waiting_at_its_barrier_is_closed_when_the_server_stops() {
         !released.load(Ordering::SeqCst),
         "before the stalled commits went on"
     );
-    holder.join().unwrap();
+    holder.await.unwrap();
     stopping.await.unwrap();
 }
