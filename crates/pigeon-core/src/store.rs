@@ -9,10 +9,36 @@ use pigeon_proto::views::{ChainItem, ConversationView, MemberView, Role, SendAck
 use pigeon_proto::{ClientMsgId, ConversationId, Message, MsgId, UserId};
 use std::collections::{HashMap, HashSet};
 
-/// A storage failure. Its text is logged, never sent to clients.
-#[derive(Debug, thiserror::Error)]
-#[error("store: {0}")]
-pub struct StoreError(pub String);
+/// A storage failure, by what its caller may do about it. Its text is logged, never sent
+/// to clients.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// Transient: the same operation may go through if it is tried again as it is (a lock
+    /// held too long, a transaction that lost a race with another).
+    #[error("store (retry): {0}")]
+    Retry(String),
+    /// The operation contradicts what is stored (a unique key taken): tried again as it is,
+    /// it fails again.
+    #[error("store (conflict): {0}")]
+    Conflict(String),
+    /// The store cannot take the operation now (closed, stopped, behind, or unreachable):
+    /// a client may retry later.
+    #[error("store (unavailable): {0}")]
+    Unavailable(String),
+}
+
+impl StoreError {
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        StoreError::Unavailable(message.into())
+    }
+
+    /// What happened, without its kind.
+    pub fn message(&self) -> &str {
+        match self {
+            StoreError::Retry(m) | StoreError::Conflict(m) | StoreError::Unavailable(m) => m,
+        }
+    }
+}
 
 /// What the engine is missing to decide a batch.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -149,6 +175,11 @@ pub trait Store: Send + Sync + 'static {
     async fn caught_up(&self) -> Result<(), StoreError> {
         Ok(())
     }
+    /// Makes `changes` durable as one unit: all of them, or none. An adapter tries again by
+    /// itself what it knows may go through (a transaction that lost a race); a commit that
+    /// fails stored nothing, as far as the store can tell, and the pipeline refuses the
+    /// batch and reloads its state. [`StoreError::Conflict`] here means the batch breaks a
+    /// rule of the tables the engine should have kept (a bug).
     async fn commit(&self, changes: Changes) -> Result<(), StoreError>;
     /// Finishes what was committed and releases the store's files; later commits fail.
     /// Called once the pipeline has flushed, at shutdown.

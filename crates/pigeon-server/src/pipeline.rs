@@ -882,7 +882,11 @@ async fn commit(
             Ok(())
         };
         if let Err(e) = committed {
-            tracing::error!(error = %e, batch = n, "commit failed; batch refused and state reloaded");
+            if matches!(e, pigeon_core::StoreError::Conflict(_)) {
+                tracing::error!(error = %e, batch = n, "the store refused a batch the engine decided (a bug); batch refused and state reloaded");
+            } else {
+                tracing::error!(error = %e, batch = n, "commit failed; batch refused and state reloaded");
+            }
             stats.commit_failed();
             let _ = outcomes.send(outcome(false));
             answer_all_unavailable(d.replies.into_iter().map(|(r, _)| r));

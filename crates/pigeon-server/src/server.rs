@@ -91,7 +91,7 @@ pub async fn start(cfg: Config) -> Result<Running, StartError> {
             SqliteStore::open_with(&dir, durability, backlog_bytes)
         })
         .await
-        .map_err(|e| pigeon_core::StoreError(e.to_string()))??,
+        .map_err(|e| pigeon_core::StoreError::unavailable(e.to_string()))??,
     );
     start_with_store(cfg, store).await
 }

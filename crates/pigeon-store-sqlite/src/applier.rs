@@ -212,7 +212,7 @@ impl StoreWrites {
         self.wait_for_room(size)?;
         let mut journal = self.journal.lock().expect("journal lock");
         let Some(open) = journal.as_mut() else {
-            return Err(StoreError("the store is closed".into()));
+            return Err(StoreError::unavailable("the store is closed"));
         };
         let lsn = open.append_record(&mut record).map_err(err)?;
         // Before the batch is queued, so the applier cannot forget its keys before they are
@@ -332,8 +332,8 @@ impl StoreWrites {
             self.check_not_stopped()?;
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(StoreError(
-                    "the store is behind: the tables could not keep up with the journal".into(),
+                return Err(StoreError::unavailable(
+                    "the store is behind: the tables could not keep up with the journal",
                 ));
             }
             backlog = self
@@ -366,9 +366,9 @@ impl StoreWrites {
                     .record(started.elapsed().as_secs_f64());
                 Ok(())
             }
-            Ok(Err(_)) => Err(StoreError("the store is closed".into())),
-            Err(_) => Err(StoreError(
-                "the store is behind: the tables did not catch up with the journal".into(),
+            Ok(Err(_)) => Err(StoreError::unavailable("the store is closed")),
+            Err(_) => Err(StoreError::unavailable(
+                "the store is behind: the tables did not catch up with the journal",
             )),
         }
     }
@@ -739,8 +739,9 @@ pub fn replay(
     for chunk in pending.chunks(MAX_APPLY_BATCHES) {
         let mut batches = Vec::with_capacity(chunk.len());
         for (lsn, payload) in chunk {
-            let changes = crate::record::decode(payload)
-                .map_err(|e| StoreError(format!("journal record {lsn} does not decode: {e}")))?;
+            let changes = crate::record::decode(payload).map_err(|e| {
+                StoreError::unavailable(format!("journal record {lsn} does not decode: {e}"))
+            })?;
             batches.push(changes);
         }
         let batches: Vec<(u64, &Changes)> = chunk.iter().map(|r| r.0).zip(batches.iter()).collect();
@@ -750,9 +751,8 @@ pub fn replay(
 }
 
 fn stopped_error() -> StoreError {
-    StoreError(
-        "the tables could not be made durable and take no more writes: restart once the disk is sound"
-            .into(),
+    StoreError::unavailable(
+        "the tables could not be made durable and take no more writes: restart once the disk is sound",
     )
 }
 
@@ -761,9 +761,9 @@ pub fn applied_lsn(conn: &Connection) -> Result<u64, StoreError> {
     let value = crate::read::meta_get(conn, APPLIED_KEY).map_err(err)?;
     match value {
         None => Ok(0),
-        Some(v) => v
-            .parse()
-            .map_err(|_| StoreError(format!("meta {APPLIED_KEY} is not a number: {v}"))),
+        Some(v) => v.parse().map_err(|_| {
+            StoreError::unavailable(format!("meta {APPLIED_KEY} is not a number: {v}"))
+        }),
     }
 }
 

@@ -156,8 +156,20 @@ fn sync_tables(db: &Path) -> Result<(), StoreError> {
     TableFiles::new(db).sync()
 }
 
-pub(crate) fn err(e: impl std::fmt::Display) -> StoreError {
-    StoreError(e.to_string())
+pub(crate) fn err<E: std::fmt::Display + 'static>(e: E) -> StoreError {
+    // SQLite's own errors say whether trying again may help: a database held busy or
+    // locked past the busy timeout may be free on the next try, a constraint refused a row
+    // that will be refused again.
+    let code = (&e as &dyn std::any::Any)
+        .downcast_ref::<rusqlite::Error>()
+        .and_then(rusqlite::Error::sqlite_error_code);
+    match code {
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
+            StoreError::Retry(e.to_string())
+        }
+        Some(rusqlite::ErrorCode::ConstraintViolation) => StoreError::Conflict(e.to_string()),
+        _ => StoreError::Unavailable(e.to_string()),
+    }
 }
 
 impl SqliteStore {
@@ -176,7 +188,7 @@ impl SqliteStore {
         backlog_bytes: usize,
     ) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir)
-            .map_err(|e| StoreError(format!("create {}: {e}", dir.display())))?;
+            .map_err(|e| StoreError::unavailable(format!("create {}: {e}", dir.display())))?;
         let path = dir.join("pigeon.db");
         let mut writer = Connection::open(&path).map_err(err)?;
         writer
@@ -213,7 +225,7 @@ impl SqliteStore {
         let journal_dir = dir.join("journal");
         let (journal, pending) =
             Journal::open(&journal_dir, durability == Durability::Fsync, applied)
-                .map_err(|e| StoreError(format!("journal: {e}")))?;
+                .map_err(|e| StoreError::unavailable(format!("journal: {e}")))?;
         let replayed = applier::replay(&mut writer, pending, &journal_dir)?;
         if replayed > 0 {
             tracing::info!(
@@ -493,11 +505,11 @@ impl Store for SqliteStore {
             None => false,
         };
         if !sent {
-            return Err(StoreError("the store is closed".into()));
+            return Err(StoreError::unavailable("the store is closed"));
         }
         answer
             .await
-            .map_err(|_| StoreError("the journal thread is gone".into()))?
+            .map_err(|_| StoreError::unavailable("the journal thread is gone"))?
     }
 
     async fn close(&self) {
@@ -750,6 +762,20 @@ mod store_suite {
 mod tests {
     use super::*;
 
+    /// SQLite's errors keep what they say of trying again: a constraint refused is a
+    /// conflict, anything else unavailable; other errors are unavailable.
+    #[test]
+    fn store_errors_say_whether_to_try_again() {
+        let c = Connection::open_in_memory().unwrap();
+        c.execute_batch("CREATE TABLE t (k INTEGER PRIMARY KEY); INSERT INTO t VALUES (1);")
+            .unwrap();
+        let taken = c.execute("INSERT INTO t VALUES (1)", []).unwrap_err();
+        assert!(matches!(err(taken), StoreError::Conflict(_)));
+        let no_table = c.execute("INSERT INTO missing VALUES (1)", []).unwrap_err();
+        assert!(matches!(err(no_table), StoreError::Unavailable(_)));
+        assert!(matches!(err("a full disk"), StoreError::Unavailable(_)));
+    }
+
     async fn user_name(store: &SqliteStore, id: u64) -> Option<String> {
         let user = store.user(UserId::new(id).unwrap()).await.unwrap();
         user.map(|u| u.name)
@@ -879,7 +905,7 @@ mod tests {
             "the second batch stays in the journal only"
         );
         let read = writes.caught_up().await.unwrap_err();
-        assert!(read.0.contains("take no more writes"), "{read:?}");
+        assert!(read.message().contains("take no more writes"), "{read:?}");
 
         applier.join().unwrap();
         writes.close();

@@ -75,7 +75,12 @@ impl TableFiles {
                 Ok(f) => *file = Some(f),
                 // Not made yet: it holds nothing to sync.
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-                Err(e) => return Err(StoreError(format!("open {}: {e}", path.display()))),
+                Err(e) => {
+                    return Err(StoreError::unavailable(format!(
+                        "open {}: {e}",
+                        path.display()
+                    )));
+                }
             }
         }
         Ok(file.as_ref())
@@ -95,14 +100,14 @@ impl TableFiles {
         };
         #[cfg(test)]
         if test_failures::fails(&path) {
-            return Err(StoreError(format!(
+            return Err(StoreError::unavailable(format!(
                 "sync {}: injected failure",
                 path.display()
             )));
         }
         write_back_in_steps(f, hurry)
             .and_then(|()| f.sync_data())
-            .map_err(|e| StoreError(format!("sync {}: {e}", path.display())))
+            .map_err(|e| StoreError::unavailable(format!("sync {}: {e}", path.display())))
     }
 }
 

@@ -52,7 +52,7 @@ impl Store for Faulty {
     async fn commit(&self, changes: Changes) -> Result<(), StoreError> {
         let _open = self.gate.read().await;
         if self.refusing.load(Ordering::SeqCst) {
-            return Err(StoreError("the disk is full".into()));
+            return Err(StoreError::unavailable("the disk is full"));
         }
         self.inner.commit(changes).await
     }
