@@ -15,6 +15,16 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::Notify;
 
+/// Where a connection is: the node that holds it, its user, and its id on that node. What
+/// the pipeline answers a WebSocket command to, instead of a handle on its outbox, so that a
+/// command may be decided on another node than the one that holds its connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnectionAddr {
+    pub node: u16,
+    pub user: UserId,
+    pub id: u64,
+}
+
 struct Conn {
     id: u64,
     device: DeviceId,
@@ -42,6 +52,8 @@ pub struct Hub {
     /// What the outboxes of this node may hold (see `outbox.rs`), and what they hold.
     bounds: OutboxBounds,
     frames: Arc<Budget>,
+    /// This node's number (`--node-id`): the `node` of the addresses of its connections.
+    node: u16,
 }
 
 /// One reader's receipts in one conversation, paced.
@@ -82,6 +94,7 @@ impl Default for Hub {
             receipts: Mutex::new(HashMap::new()),
             bounds: OutboxBounds::default(),
             frames: Budget::new(OutboxBounds::default().server),
+            node: 0,
         }
     }
 }
@@ -161,13 +174,45 @@ impl Drop for Registration {
 impl Hub {
     /// A hub that notifies `offline` of messages reaching users with no connected device,
     /// whose outboxes hold frames within `bounds`.
-    pub fn new(offline: Option<OfflineHook>, bounds: OutboxBounds) -> Hub {
+    pub fn new(offline: Option<OfflineHook>, bounds: OutboxBounds, node: u16) -> Hub {
         Hub {
             offline,
             bounds,
             frames: Budget::new(bounds.server),
+            node,
             ..Hub::default()
         }
+    }
+
+    /// The address of this node's connection `id` of `user`.
+    pub fn address(&self, user: UserId, id: u64) -> ConnectionAddr {
+        ConnectionAddr {
+            node: self.node,
+            user,
+            id,
+        }
+    }
+
+    /// Queues a frame for one connection (a command's answer: `send_ack`, `ok`, an error),
+    /// before whatever is published after it. One that is gone, or held by another node
+    /// (which this node cannot reach: it has no transport to others), is dropped: its
+    /// client resends the command, or pulls what it missed.
+    pub fn send_to_connection(&self, to: ConnectionAddr, frame: String) {
+        if to.node != self.node {
+            tracing::debug!(
+                node = to.node,
+                "a reply for a connection of another node dropped"
+            );
+            return;
+        }
+        let mut frame = Some(frame);
+        self.each(to.user, |c| {
+            if c.id == to.id
+                && let Some(f) = frame.take()
+            {
+                c.outbox.send_text(f);
+            }
+        });
     }
 
     /// Bytes of frame text this node's outboxes hold (queued, or kept for resending).

@@ -5,8 +5,7 @@
 //! the embedded mode the one decider owns every conversation, so `seq` and `user_seq` have
 //! exactly one owner.
 
-use crate::hub::Hub;
-use crate::outbox::Outbox;
+use crate::hub::{ConnectionAddr, Hub};
 use pigeon_core::changes::{Changes, Event};
 use pigeon_core::command::{Command, Reply};
 use pigeon_core::engine::Engine;
@@ -40,8 +39,9 @@ pub enum PipelineError {
 pub enum ReplyTo {
     /// A waiting HTTP request (or any caller).
     Caller(oneshot::Sender<Result<Reply, PipelineError>>),
-    /// A WebSocket connection: the answer is queued on its outbox before any push of the same
-    /// batch, so a sender always sees its `send_ack` before the `msg` of its message.
+    /// A WebSocket connection, by its address: the answer is queued on its outbox before
+    /// any push of the same batch, so a sender always sees its `send_ack` before the `msg`
+    /// of its message.
     Connection(ConnectionReply),
     /// A barrier (`flush_tiers`): answered once the delivery task of `tier` has queued on
     /// the outboxes every frame decided before it, so a connection that waited for it
@@ -61,32 +61,35 @@ impl ReplyTo {
     }
 }
 
-/// Where a WebSocket command's answer goes: its connection's outbox and the frame's `req`.
-/// One dropped unanswered (its decider panicked with it in the batch) answers
-/// `unavailable` as it goes, so the client is not left waiting for a reply that never
-/// comes.
+/// Where a WebSocket command's answer goes: its connection's address and the frame's
+/// `req`. One dropped unanswered (its decider panicked with it in the batch) answers
+/// `unavailable` as it goes, through the hub it names, so the client is not left waiting
+/// for a reply that never comes.
 pub struct ConnectionReply {
-    outbox: Option<Outbox>,
+    to: Option<ConnectionAddr>,
     req: Option<i64>,
+    hub: Arc<Hub>,
 }
 
 impl ConnectionReply {
-    pub fn new(outbox: Outbox, req: Option<i64>) -> Self {
+    pub fn new(hub: Arc<Hub>, to: ConnectionAddr, req: Option<i64>) -> Self {
         ConnectionReply {
-            outbox: Some(outbox),
+            to: Some(to),
             req,
+            hub,
         }
     }
 
-    /// The outbox and `req`, for whoever answers: nothing is sent on drop then.
-    fn take(mut self) -> (Outbox, Option<i64>) {
-        let outbox = self.outbox.take().expect("a reply is taken once");
-        (outbox, self.req)
+    /// The address and `req`, for whoever answers: nothing is sent on drop then.
+    fn take(mut self) -> (ConnectionAddr, Option<i64>) {
+        let to = self.to.take().expect("a reply is taken once");
+        (to, self.req)
     }
 
     fn answer_unavailable(&mut self) {
-        if let Some(outbox) = self.outbox.take() {
-            outbox.send_text(error_frame(self.req, &PipelineError::Unavailable));
+        if let Some(to) = self.to.take() {
+            self.hub
+                .send_to_connection(to, error_frame(self.req, &PipelineError::Unavailable));
         }
     }
 }
@@ -416,7 +419,7 @@ struct Tiers {
 /// What a delivery task sends after a commit, in order.
 #[derive(Default)]
 struct Delivery {
-    replies: Vec<(Outbox, String)>,
+    replies: Vec<(ConnectionAddr, String)>,
     events: Vec<Event>,
     /// Answered once the replies and events before them are queued.
     after: Vec<(Answer, Result<Reply, PipelineError>)>,
@@ -540,7 +543,9 @@ impl Queues {
     }
 }
 
-/// What [`Queues::next`] found.
+/// What [`Queues::next`] found. (Returned once per command and moved into the batch at
+/// once: boxing the command would cost an allocation per command.)
+#[allow(clippy::large_enum_variant)]
 enum Next {
     Command(Envelope),
     /// Bulk work arrived that may not be taken now (it is parked).
@@ -970,12 +975,12 @@ async fn deliver_batch(
                     let _ = tx.send(result.map_err(PipelineError::from));
                 }
                 ReplyTo::Connection(reply) => {
-                    let (outbox, req) = reply.take();
+                    let (to, req) = reply.take();
                     let in_large = matches!(&result, Ok(Reply::SendAck(a)) if large.contains_key(&a.conversation_id));
                     if let Some(frame) = connection_reply(req, result) {
                         if in_large { &mut bulk } else { &mut fast }
                             .replies
-                            .push((outbox, frame));
+                            .push((to, frame));
                     }
                 }
                 ReplyTo::AfterDelivery { tx, tier } => match tier {
@@ -1076,8 +1081,8 @@ impl Delivery {
 
 async fn deliver(mut rx: mpsc::Receiver<Delivery>, hub: Arc<Hub>) {
     while let Some(d) = rx.recv().await {
-        for (outbox, frame) in d.replies {
-            outbox.send_text(frame);
+        for (to, frame) in d.replies {
+            hub.send_to_connection(to, frame);
         }
         hub.publish(d.events);
         for (tx, result) in d.after {
@@ -1392,9 +1397,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_websocket_command_dropped_by_a_panicking_decider_is_answered_unavailable() {
-        let (outbox, mut reader) = Outbox::new();
+        let hub = Arc::new(Hub::default());
+        let registered = hub.register(user(3), pigeon_proto::DeviceId::parse("d").unwrap());
+        let mut reader = registered.reader;
+        let to = hub.address(user(3), registered.registration.id());
         let stats = Arc::new(PipelineStats::default());
-        let held = ReplyTo::Connection(ConnectionReply::new(outbox.clone(), Some(7)));
+        let held = ReplyTo::Connection(ConnectionReply::new(hub.clone(), to, Some(7)));
         stop_flagged(
             async move {
                 let _in_the_batch = held;
@@ -1414,10 +1422,21 @@ mod tests {
 
         // A reply taken by whoever answers, or disarmed for a caller that answers the
         // error itself, sends nothing more.
-        ReplyTo::Connection(ConnectionReply::new(outbox.clone(), Some(8))).disarm();
-        let (_, req) = ConnectionReply::new(outbox, Some(9)).take();
+        ReplyTo::Connection(ConnectionReply::new(hub.clone(), to, Some(8))).disarm();
+        let (_, req) = ConnectionReply::new(hub.clone(), to, Some(9)).take();
         assert_eq!(req, Some(9));
         assert!(reader.try_recv().is_none());
+        // A reply to another node's connection, or to one gone, goes nowhere.
+        let elsewhere = crate::hub::ConnectionAddr { node: 9, ..to };
+        hub.send_to_connection(elsewhere, "{}".into());
+        let gone = crate::hub::ConnectionAddr {
+            id: to.id + 1,
+            ..to
+        };
+        hub.send_to_connection(gone, "{}".into());
+        assert!(reader.try_recv().is_none());
+        hub.send_to_connection(to, "{}".into());
+        assert!(reader.try_recv().is_some());
     }
 
     /// A test's data directory, removed when the test ends, passed or not.

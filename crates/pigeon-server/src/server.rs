@@ -125,7 +125,7 @@ pub async fn start_with_store(cfg: Config, store: Arc<dyn Store>) -> Result<Runn
             store.clone(),
         )
     });
-    let hub = Arc::new(Hub::new(offline, cfg.outbox_bounds()));
+    let hub = Arc::new(Hub::new(offline, cfg.outbox_bounds(), cfg.node_id));
     let (pipeline, _pipeline_task) = Pipeline::start(store.clone(), engine, hub.clone());
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await

@@ -54,6 +54,12 @@ impl From<Vec<String>> for Answer {
 }
 
 impl Connection {
+    /// Where the pipeline answers a command of this connection's: by its address.
+    fn reply_to(&self, req: Option<i64>) -> ReplyTo {
+        let to = self.app.hub.address(self.user, self.registration.id());
+        ReplyTo::Connection(ConnectionReply::new(self.app.hub.clone(), to, req))
+    }
+
     pub(super) fn bad_frame(&mut self, req: Option<i64>, message: &str) -> Vec<String> {
         self.count_bad_frame();
         vec![ApiError::invalid(message).frame(req)]
@@ -157,7 +163,7 @@ impl Connection {
                 // valid one.
                 app.limits.check_send(self.user)?;
                 let cmd = validate_send(self.user, s, app.limits())?;
-                let reply = ReplyTo::Connection(ConnectionReply::new(self.outbox.clone(), req));
+                let reply = self.reply_to(req);
                 let tier = app.pipeline.submit(Command::Send(cmd), reply).await?;
                 self.sent_on(tier);
                 Ok(Vec::new())
@@ -206,12 +212,7 @@ impl Connection {
                     seq: r.seq,
                     from_device: Some(self.device.clone()),
                 };
-                app.pipeline
-                    .submit(
-                        cmd,
-                        ReplyTo::Connection(ConnectionReply::new(self.outbox.clone(), req)),
-                    )
-                    .await?;
+                app.pipeline.submit(cmd, self.reply_to(req)).await?;
                 Ok(Vec::new())
             }
             ClientFrame::Typing(t) => {
