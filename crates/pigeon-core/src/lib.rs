@@ -11,11 +11,13 @@ pub mod engine;
 pub mod error;
 pub mod handoff;
 pub mod known_keys;
+pub mod rate_limit;
+pub mod revocation;
 pub mod rules;
 pub mod snowflake;
 pub mod state;
 pub mod store;
-#[cfg(feature = "store-suite")]
+#[cfg(any(test, feature = "port-suites"))]
 pub mod store_suite;
 pub mod until_committed;
 pub mod user_stage;

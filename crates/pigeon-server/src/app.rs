@@ -39,6 +39,9 @@ pub struct App {
     pub signer: TokenSigner,
     /// Token generations already read (see [`crate::auth::TokenGenerations`]).
     pub token_gens: crate::auth::TokenGenerations,
+    /// Where a logout is announced once durable, for every node to forget the user's token
+    /// generation and end the user's connections it holds (see [`App::on_revocation`]).
+    pub revocations: Arc<dyn pigeon_core::revocation::Revocations>,
     pub admin_key: String,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     /// Set when shutdown begins: /readyz answers 503 and new connections are refused.
@@ -61,6 +64,19 @@ pub struct SyncSummary {
 }
 
 impl App {
+    /// What this node does when it hears of a revocation, announced here or by another
+    /// node: forgets the user's token generation (a request in flight with an older one
+    /// is then refused) and ends the user's connections it holds (`kicked`, then 1008).
+    pub fn on_revocation(app: &AppRef) {
+        let weak = Arc::downgrade(app);
+        app.revocations.listen(Arc::new(move |user| {
+            if let Some(app) = weak.upgrade() {
+                app.token_gens.forget(user);
+                app.hub.revoke(user);
+            }
+        }));
+    }
+
     pub fn limits(&self) -> Limits {
         Limits {
             max_content_bytes: self.cfg.max_content_bytes,

@@ -1,29 +1,65 @@
 //! Rate limits on what users ask of the server, keyed by user (all their devices together).
-//! A refused request answers `rate_limited` with `retry_after_ms`.
+//! A refused request answers `rate_limited` with `retry_after_ms`. The allowances are kept
+//! behind the rate-limit port (`pigeon_core::rate_limit`); [`GovernorLimit`] is its
+//! embedded adapter, the buckets in this process's memory.
 
 use crate::error::ApiError;
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use pigeon_core::rate_limit::RateLimit;
 use pigeon_proto::{ErrorCode, UserId};
 use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
 
-pub struct RateLimits {
-    sends: Option<DefaultKeyedRateLimiter<UserId>>,
+/// The users' write allowances in memory: a token bucket per user (`governor`).
+pub struct GovernorLimit {
+    limiter: DefaultKeyedRateLimiter<UserId>,
     clock: DefaultClock,
 }
 
-impl RateLimits {
-    /// `sends_per_sec` of 0 turns the send limit off. Bursts of ten seconds' worth are
-    /// allowed: the limit stops a runaway client, not an application that sends a batch (the
-    /// protocol itself sets no rate).
-    pub fn new(sends_per_sec: u32) -> Self {
-        let sends = NonZeroU32::new(sends_per_sec).map(|rate| {
-            let burst = NonZeroU32::new(sends_per_sec.saturating_mul(10)).unwrap_or(rate);
-            RateLimiter::dashmap(Quota::per_second(rate).allow_burst(burst))
-        });
-        RateLimits {
-            sends,
+impl GovernorLimit {
+    /// `per_sec` writes a second, with bursts of ten seconds' worth: the limit stops a
+    /// runaway client, not an application that sends a batch (the protocol itself sets no
+    /// rate).
+    pub fn new(per_sec: NonZeroU32) -> Self {
+        let burst = NonZeroU32::new(per_sec.get().saturating_mul(10)).unwrap_or(per_sec);
+        GovernorLimit {
+            limiter: RateLimiter::dashmap(Quota::per_second(per_sec).allow_burst(burst)),
             clock: DefaultClock::default(),
+        }
+    }
+}
+
+impl RateLimit for GovernorLimit {
+    fn take(&self, user: UserId, n: u32) -> Result<(), Duration> {
+        let n = NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+        match self.limiter.check_key_n(&user, n) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(not_until)) => Err(not_until.wait_time_from(self.clock.now())),
+            // More than the burst: the wait for a whole burst, which it never fits in.
+            Err(_) => Err(Duration::from_secs(10)),
+        }
+    }
+
+    fn forget_idle(&self) {
+        self.limiter.retain_recent();
+        self.limiter.shrink_to_fit();
+    }
+}
+
+/// The edge's view of the allowances: refusals as the protocol's errors.
+pub struct RateLimits {
+    /// `None`: the limit is off.
+    writes: Option<Arc<dyn RateLimit>>,
+}
+
+impl RateLimits {
+    /// `sends_per_sec` of 0 turns the limit off.
+    pub fn new(sends_per_sec: u32) -> Self {
+        RateLimits {
+            writes: NonZeroU32::new(sends_per_sec)
+                .map(|rate| Arc::new(GovernorLimit::new(rate)) as Arc<dyn RateLimit>),
         }
     }
 
@@ -31,12 +67,11 @@ impl RateLimits {
     /// chain or tells other members (an edit, a recall, a group change, a read, a setting),
     /// so that no write is a way around the send limit.
     pub fn check_send(&self, user: UserId) -> Result<(), ApiError> {
-        let Some(limiter) = &self.sends else {
+        let Some(limit) = &self.writes else {
             return Ok(());
         };
-        limiter.check_key(&user).map_err(|not_until| {
+        limit.take(user, 1).map_err(|wait| {
             metrics::counter!("pigeon_rate_limited_total").increment(1);
-            let wait = not_until.wait_time_from(self.clock.now());
             ApiError {
                 code: ErrorCode::RateLimited,
                 message: "too many messages; slow down".into(),
@@ -49,18 +84,18 @@ impl RateLimits {
     /// conversations, which the client does not wait for: refused, they are dropped, not
     /// answered). Always true with the limit off.
     pub fn take_writes(&self, user: UserId, n: usize) -> bool {
-        let Some(limiter) = &self.sends else {
+        let Some(limit) = &self.writes else {
             return true;
         };
-        let n = NonZeroU32::new(u32::try_from(n).unwrap_or(u32::MAX)).unwrap_or(NonZeroU32::MIN);
-        matches!(limiter.check_key_n(&user, n), Ok(Ok(())))
+        limit
+            .take(user, u32::try_from(n).unwrap_or(u32::MAX))
+            .is_ok()
     }
 
     /// Forgets users whose allowance is full again (keeps memory bounded).
     pub fn forget_idle(&self) {
-        if let Some(l) = &self.sends {
-            l.retain_recent();
-            l.shrink_to_fit();
+        if let Some(l) = &self.writes {
+            l.forget_idle();
         }
     }
 }
@@ -68,6 +103,17 @@ impl RateLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rate-limit port's suite, on the embedded adapter.
+    mod governor_suite {
+        use super::*;
+
+        fn fresh() -> Box<GovernorLimit> {
+            Box::new(GovernorLimit::new(NonZeroU32::new(10).unwrap()))
+        }
+
+        pigeon_core::rate_limit_suite!(fresh);
+    }
 
     /// Saved positions take from the same allowance as sends: a burst's worth at once, then
     /// nothing until it refills; with the limit off, always.

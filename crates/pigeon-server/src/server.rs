@@ -152,8 +152,10 @@ pub async fn start_with_store(cfg: Config, store: Arc<dyn Store>) -> Result<Runn
         shutdown,
         rooms: Arc::new(crate::rooms::Rooms::default()),
         limits: crate::limits::RateLimits::new(send_rate),
+        revocations: Arc::new(pigeon_core::revocation::LocalRevocations::default()),
         unread_answers: Default::default(),
     });
+    App::on_revocation(&app);
     let router = crate::api::router(app.clone());
     tokio::spawn(crate::rooms::run_flusher(
         app.rooms.clone(),

@@ -110,17 +110,19 @@ pub async fn logout(
         .user(user)
         .await?
         .ok_or_else(|| ApiError::not_found("user"))?;
-    // Once acknowledged, no generation remembered before may outlive the logout. In a task
-    // of its own: if the caller goes away, the `forget` must still follow the logout.
-    // The user's connections are ended here, once the logout is durable and before the
-    // answer: "stop working at once" (PROTOCOL.md 3). In the spawned task, so a caller that
-    // goes away cannot skip it.
+    // Once acknowledged, no generation remembered before may outlive the logout, and the
+    // user's connections end: the revocation is announced (this node hears it before
+    // `announce` returns), once the logout is durable and before the answer: "stop working
+    // at once" (PROTOCOL.md 3). In a task of its own, so a caller that goes away cannot
+    // skip it. A logout that failed may still have been stored: what this node remembered
+    // is forgotten then too.
     let task_app = app.clone();
     tokio::spawn(async move {
         let done = run(&task_app, Command::Logout { user }).await;
-        task_app.token_gens.forget(user);
         if done.is_ok() {
-            task_app.hub.revoke(user);
+            task_app.revocations.announce(user);
+        } else {
+            task_app.token_gens.forget(user);
         }
         done
     })
