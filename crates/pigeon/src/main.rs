@@ -10,7 +10,7 @@ use std::process::ExitCode;
 
 /// mimalloc instead of glibc's malloc: under load the server frees and allocates frames,
 /// batches and journal records from many threads, and glibc's allocator was ~13 % of the
-/// server's CPU in `perf` (see BENCHMARKS.md).
+/// server's CPU in `perf`.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

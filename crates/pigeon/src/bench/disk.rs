@@ -3,7 +3,7 @@
 //! timed. Every acknowledged send waits for one such sync, so the tail here is a floor under
 //! the send latency of any run on the same disk: run it beside a `direct` run's figures to
 //! tell the disk's stalls from the server's (on this project's VM, five 30 s runs on the
-//! idle machine had maxima of 8-48 ms in four and 268 ms in one; see BENCHMARKS.md).
+//! idle machine had maxima of 8-48 ms in four and 268 ms in one).
 
 use super::report::{Checks, Report};
 use super::{Progress, Res};
