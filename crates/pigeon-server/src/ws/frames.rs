@@ -215,58 +215,7 @@ impl Connection {
                 app.pipeline.submit(cmd, self.reply_to(req)).await?;
                 Ok(Vec::new())
             }
-            ClientFrame::Typing(t) => {
-                let now = Instant::now();
-                // A group's typing reaches every member (and reads the member list): at most
-                // one a second per connection. A single chat's goes to one peer: one every
-                // 200 ms (a client sends one every few seconds), so a loop cannot flood it.
-                let every = if t.conversation_id.is_group() {
-                    Duration::from_secs(1)
-                } else {
-                    Duration::from_millis(200)
-                };
-                match self.typing_last.get(&t.conversation_id) {
-                    Some((at, refused)) if now.duration_since(*at) < every => match refused {
-                        // A refused one is answered every time, not once and then silently.
-                        Some(code) => Err(ApiError::new(*code, "typing refused")),
-                        None => Ok(done(req)),
-                    },
-                    _ => {
-                        // Bounded without forgetting the throttle of a conversation still in
-                        // its window (a clear-all let a loop over 257 conversations through).
-                        if self.typing_last.len() >= MAX_TYPING_TRACKED
-                            && !self.typing_last.contains_key(&t.conversation_id)
-                        {
-                            self.typing_last.retain(|_, (at, _)| {
-                                now.duration_since(*at) < Duration::from_secs(1)
-                            });
-                            if self.typing_last.len() >= MAX_TYPING_TRACKED {
-                                let mut e = ApiError::new(
-                                    ErrorCode::RateLimited,
-                                    "typing in too many conversations at once",
-                                );
-                                e.retry_after_ms = Some(1_000);
-                                return Err(e);
-                            }
-                        }
-                        let result = app.typing(self.user, &t.conversation_id).await;
-                        match result.as_ref().err().map(|e| e.code) {
-                            // A lasting refusal is remembered; a store that failed is asked
-                            // again next time.
-                            Some(code)
-                                if !matches!(code, ErrorCode::NotMember | ErrorCode::NotFound) =>
-                            {
-                                self.typing_last.remove(&t.conversation_id);
-                            }
-                            refused => {
-                                self.typing_last
-                                    .insert(t.conversation_id.clone(), (now, refused));
-                            }
-                        }
-                        result.map(|()| done(req))
-                    }
-                }
-            }
+            ClientFrame::Typing(t) => self.typing(t, req).await,
             ClientFrame::Ping => Ok(vec![
                 ServerFrame::Pong {
                     req,
@@ -274,54 +223,124 @@ impl Connection {
                 }
                 .to_json(),
             ]),
-            ClientFrame::RoomJoin(r) => {
-                // A join that fails leaves the connection in the room it was in.
-                app.rooms
-                    .join(
-                        &r.room_id,
-                        self.user,
-                        self.registration.id(),
-                        self.outbox.clone(),
-                    )
-                    .map_err(|_| ApiError::not_found("room"))?;
-                // `join` took this connection out of the room it watched before.
-                self.room = Some(r.room_id.into_boxed_str());
-                Ok(done(req))
-            }
-            ClientFrame::RoomLeave(r) => {
-                if self.room.as_deref() == Some(r.room_id.as_str()) {
-                    app.rooms
-                        .leave(&r.room_id, self.user, self.registration.id());
-                    self.room = None;
+            ClientFrame::RoomJoin(r) => self.room_join(&r.room_id, req),
+            ClientFrame::RoomLeave(r) => Ok(self.room_leave(&r.room_id, req)),
+            ClientFrame::RoomSend(r) => self.room_send(&r.room_id, r.content, req),
+        }
+    }
+
+    /// `typing`, relayed to the other members (PROTOCOL.md 5.4), throttled per connection
+    /// and conversation; a refusal is remembered for the throttle's window.
+    async fn typing(
+        &mut self,
+        t: pigeon_proto::frames::TypingFrame,
+        req: Option<i64>,
+    ) -> Result<Vec<String>, ApiError> {
+        let app = self.app.clone();
+        let now = Instant::now();
+        // A group's typing reaches every member (and reads the member list): at most
+        // one a second per connection. A single chat's goes to one peer: one every
+        // 200 ms (a client sends one every few seconds), so a loop cannot flood it.
+        let every = if t.conversation_id.is_group() {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_millis(200)
+        };
+        match self.typing_last.get(&t.conversation_id) {
+            Some((at, refused)) if now.duration_since(*at) < every => match refused {
+                // A refused one is answered every time, not once and then silently.
+                Some(code) => Err(ApiError::new(*code, "typing refused")),
+                None => Ok(done(req)),
+            },
+            _ => {
+                // Bounded without forgetting the throttle of a conversation still in
+                // its window (a clear-all let a loop over 257 conversations through).
+                if self.typing_last.len() >= MAX_TYPING_TRACKED
+                    && !self.typing_last.contains_key(&t.conversation_id)
+                {
+                    self.typing_last
+                        .retain(|_, (at, _)| now.duration_since(*at) < Duration::from_secs(1));
+                    if self.typing_last.len() >= MAX_TYPING_TRACKED {
+                        let mut e = ApiError::new(
+                            ErrorCode::RateLimited,
+                            "typing in too many conversations at once",
+                        );
+                        e.retry_after_ms = Some(1_000);
+                        return Err(e);
+                    }
                 }
-                Ok(done(req))
-            }
-            ClientFrame::RoomSend(r) => {
-                if r.content.is_empty() {
-                    return Err(ApiError::invalid("room content must not be empty"));
+                let result = app.typing(self.user, &t.conversation_id).await;
+                match result.as_ref().err().map(|e| e.code) {
+                    // A lasting refusal is remembered; a store that failed is asked
+                    // again next time.
+                    Some(code) if !matches!(code, ErrorCode::NotMember | ErrorCode::NotFound) => {
+                        self.typing_last.remove(&t.conversation_id);
+                    }
+                    refused => {
+                        self.typing_last
+                            .insert(t.conversation_id.clone(), (now, refused));
+                    }
                 }
-                if r.content.len() > crate::rooms::MAX_ROOM_CONTENT {
-                    return Err(ApiError::new(
-                        ErrorCode::PayloadTooLarge,
-                        format!(
-                            "room content is at most {} bytes",
-                            crate::rooms::MAX_ROOM_CONTENT
-                        ),
-                    ));
-                }
-                let message = crate::rooms::room_message(self.user, r.content, now_ms());
-                app.rooms
-                    .send(&r.room_id, self.registration.id(), message)
-                    .map_err(|e| match e {
-                        crate::rooms::RoomError::NotJoined => ApiError::new(
-                            ErrorCode::NotMember,
-                            "join the room before sending to it",
-                        ),
-                        _ => ApiError::not_found("room"),
-                    })?;
-                Ok(done(req))
+                result.map(|()| done(req))
             }
         }
+    }
+
+    fn room_join(&mut self, room_id: &str, req: Option<i64>) -> Result<Vec<String>, ApiError> {
+        // A join that fails leaves the connection in the room it was in.
+        self.app
+            .rooms
+            .join(
+                room_id,
+                self.user,
+                self.registration.id(),
+                self.outbox.clone(),
+            )
+            .map_err(|_| ApiError::not_found("room"))?;
+        // `join` took this connection out of the room it watched before.
+        self.room = Some(room_id.into());
+        Ok(done(req))
+    }
+
+    fn room_leave(&mut self, room_id: &str, req: Option<i64>) -> Vec<String> {
+        if self.room.as_deref() == Some(room_id) {
+            self.app
+                .rooms
+                .leave(room_id, self.user, self.registration.id());
+            self.room = None;
+        }
+        done(req)
+    }
+
+    fn room_send(
+        &mut self,
+        room_id: &str,
+        content: String,
+        req: Option<i64>,
+    ) -> Result<Vec<String>, ApiError> {
+        if content.is_empty() {
+            return Err(ApiError::invalid("room content must not be empty"));
+        }
+        if content.len() > crate::rooms::MAX_ROOM_CONTENT {
+            return Err(ApiError::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "room content is at most {} bytes",
+                    crate::rooms::MAX_ROOM_CONTENT
+                ),
+            ));
+        }
+        let message = crate::rooms::room_message(self.user, content, now_ms());
+        self.app
+            .rooms
+            .send(room_id, self.registration.id(), message)
+            .map_err(|e| match e {
+                crate::rooms::RoomError::NotJoined => {
+                    ApiError::new(ErrorCode::NotMember, "join the room before sending to it")
+                }
+                _ => ApiError::not_found("room"),
+            })?;
+        Ok(done(req))
     }
 }
 

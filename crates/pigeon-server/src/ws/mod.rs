@@ -273,6 +273,16 @@ struct Writer<'a> {
 }
 
 impl<'a> Writer<'a> {
+    /// The same writer, for one call that takes it by value.
+    fn reborrow(&mut self) -> Writer<'_> {
+        Writer {
+            sink: &mut *self.sink,
+            out_rx: &mut *self.out_rx,
+            shutdown: &mut *self.shutdown,
+            codec: self.codec,
+        }
+    }
+
     fn new(
         sink: &'a mut futures_util::stream::SplitSink<WebSocket, WsMessage>,
         out_rx: &'a mut OutboxReader,
@@ -574,115 +584,40 @@ async fn run(
                     Some(Ok(m)) => m,
                 };
                 conn.last_seen = Instant::now();
-                // Boxed, like the cursor flushes below: inline, the largest future a frame
-                // may await (sync, pull) would size every connection's task, idle or not
-                // (3 432 bytes inline, 1 792 boxed).
-                let replies = match msg {
-                    WsMessage::Text(t) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec), t.as_str())).await,
-                    WsMessage::Binary(b) => match codec {
-                        // Not decoded: a small protobuf frame can stand for a large tree (its
-                        // `req` is read by skipping the rest). A frame over the limit is too
-                        // large whatever the subprotocol.
-                        _ if b.len() > MAX_FRAME_BYTES => Ok(conn.too_large(match codec {
-                            Codec::Json => req_in(&b),
-                            Codec::Proto(_) => protobuf::req_of_client_frame(&b),
-                        })),
-                        Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
-                            Ok(text) => Box::pin(answer(&mut conn, Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec), &text)).await,
-                            Err((req, e)) => Ok(conn.bad_frame(req, &e)),
-                        },
-                        Codec::Json => Ok(conn.bad_frame(req_in(&b), "binary frames are not part of pigeon.v1.json")),
-                    },
-                    WsMessage::Ping(_) | WsMessage::Pong(_) => Ok(Vec::new()),
-                    WsMessage::Close(_) => break Stop::ClientClosed,
-                };
-                let replies = match replies {
-                    Ok(replies) => replies,
-                    Err(stop) => break stop,
-                };
-                // An answer given at once (a `pong`, an error) first waits for the commands
-                // this connection sent before it, whose answers are then queued ahead of it:
-                // frames are answered in the order they came, so a `ping` after a `send` is
-                // a barrier a client can rely on. (Boxed: see above.)
-                if !replies.is_empty()
-                    && let Err(stop) = Box::pin(Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec).wait_for_own_sends(&mut conn)).await
-                {
-                    break stop;
-                }
-                if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
-                    // What was queued before still goes first.
-                    let stall = conn.write_stall();
-                    let write = async {
-                        feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await;
-                        for r in replies {
-                            let _ = sink.feed(codec.message(r.into())).await;
-                        }
-                    };
-                    let _ = Box::pin(tokio::time::timeout(CLOSE_WAIT.min(stall), write)).await;
-                    break Stop::Close(1008, "too many bad frames");
-                }
-                // What was queued for this connection before these replies goes first: a
-                // `sync` or `pull` waited for the barrier, by which its sends' `send_ack`s
-                // and pushes are on the outbox, and the protocol answers frames in order.
-                let stall = conn.write_stall();
-                let write = async {
-                    if !replies.is_empty()
-                        && !feed_queued(&mut conn, &mut sink, &mut out_rx, codec, None, usize::MAX).await
-                    {
-                        return false;
-                    }
-                    for r in replies {
-                        if sink.feed(codec.message(r.into())).await.is_err() {
-                            return false;
-                        }
-                    }
-                    sink.flush().await.is_ok()
-                };
-                if let Err(stop) = Box::pin(write_within(stall, &kill, write)).await {
+                // Boxed: inline, the largest future a frame may await (sync, pull) would size
+                // every connection's task, idle or not (3 432 bytes inline, 1 792 boxed).
+                let w = Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec);
+                if let Err(stop) = Box::pin(on_frame(&mut conn, w, &kill, msg)).await {
                     break stop;
                 }
             }
             _ = &mut timer => {
-                if conn.last_seen.elapsed() > conn.heartbeat() * 2 {
-                    break Stop::Close(1001, "heartbeat timeout");
-                }
-                // From here the timer is pulled earlier as needed: by the next push to come
-                // due, and at the loop's top by whatever else is pending.
-                timer.as_mut().reset(conn.silence_deadline());
-                let (resend, next_due) = conn.due_resends();
-                if let Some(due) = next_due {
-                    // Not sooner than a step from now: each wake scans every unacknowledged
-                    // push, and a client that never acknowledges, sent a push a millisecond,
-                    // would otherwise have its connection scan them a thousand times a second.
-                    let due = tokio::time::Instant::from_std(due)
-                        .max(tokio::time::Instant::now() + conn.resend_step());
-                    if due < timer.deadline() {
-                        timer.as_mut().reset(due);
-                    }
-                }
-                let write = async {
-                    for frame in resend {
-                        if sink.feed(codec.message(frame)).await.is_err() {
-                            return false;
-                        }
-                    }
-                    sink.flush().await.is_ok()
-                };
-                if let Err(stop) = Box::pin(write_within(conn.write_stall(), &kill, write)).await {
+                let w = Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec);
+                if let Err(stop) = Box::pin(on_timer(&mut conn, w, &kill, timer.as_mut())).await {
                     break stop;
-                }
-                if conn.cursors_dirty && conn.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY {
-                    Box::pin(conn.flush_cursors(false)).await;
                 }
             }
         }
     };
+    Box::pin(end(conn, stop, sink, out_rx, shutdown, codec, stream)).await;
+}
+
+/// How a connection ends, once its loop is over: with the close frame `stop` says, its
+/// acknowledged positions saved before it unregisters.
+async fn end(
+    mut conn: Connection,
+    stop: Stop,
+    mut sink: futures_util::stream::SplitSink<WebSocket, WsMessage>,
+    mut out_rx: OutboxReader,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    codec: Codec,
+    mut stream: futures_util::stream::SplitStream<WebSocket>,
+) {
     let stop = match stop {
         Stop::Killed => {
-            Box::pin(
-                Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec).stop_for_kill(&mut conn),
-            )
-            .await
+            Writer::new(&mut sink, &mut out_rx, &mut shutdown, codec)
+                .stop_for_kill(&mut conn)
+                .await
         }
         stop => stop,
     };
@@ -691,17 +626,19 @@ async fn run(
     conn.outbox.stop_frames();
     conn.unacked.clear();
     if let Some(room) = conn.room.take() {
-        app.rooms.leave(&room, conn.user, conn.registration.id());
+        conn.app
+            .rooms
+            .leave(&room, conn.user, conn.registration.id());
     }
     match stop {
         Stop::Close(code, reason) => {
             // Queued before the close frame, which a stuck socket can hold up to CLOSE_WAIT:
             // a new connection of the device waits for these, not for that.
-            Box::pin(conn.flush_cursors(false)).await;
+            conn.flush_cursors(false).await;
             let deadline = tokio::time::Instant::now() + CLOSE_WAIT;
             // A client that stopped reading cannot hold the task here either.
             let _ = tokio::time::timeout_at(deadline, sink.send(close(code, reason))).await;
-            Box::pin(conn.flush_cursors(true)).await;
+            conn.flush_cursors(true).await;
             // Offline from here on: what is sent to the user meanwhile goes to their other
             // devices and the offline hook, not to an outbox nobody writes.
             drop(conn);
@@ -709,13 +646,138 @@ async fn run(
             await_close_reply(&mut stream, deadline).await;
         }
         Stop::ClientClosed => {
-            Box::pin(conn.flush_cursors(true)).await;
+            conn.flush_cursors(true).await;
             // The WebSocket queued its reply to the client's close frame; closing sends it.
             let _ = tokio::time::timeout(CLOSE_WAIT, sink.close()).await;
         }
         // (`Killed` became a close above.)
-        Stop::Gone | Stop::Killed => Box::pin(conn.flush_cursors(true)).await,
+        Stop::Gone | Stop::Killed => conn.flush_cursors(true).await,
     }
+}
+
+/// Answers one frame of the client's (its answers written in order after what was queued
+/// before them), or says how the connection ends.
+async fn on_frame(
+    conn: &mut Connection,
+    mut w: Writer<'_>,
+    kill: &Outbox,
+    msg: WsMessage,
+) -> Result<(), Stop> {
+    let replies = match msg {
+        WsMessage::Text(t) => answer(conn, w.reborrow(), t.as_str()).await,
+        WsMessage::Binary(b) => match w.codec {
+            // Not decoded: a small protobuf frame can stand for a large tree (its
+            // `req` is read by skipping the rest). A frame over the limit is too
+            // large whatever the subprotocol.
+            _ if b.len() > MAX_FRAME_BYTES => Ok(conn.too_large(match w.codec {
+                Codec::Json => req_in(&b),
+                Codec::Proto(_) => protobuf::req_of_client_frame(&b),
+            })),
+            Codec::Proto(schema) => match schema.client_frame_to_json(&b) {
+                Ok(text) => answer(conn, w.reborrow(), &text).await,
+                Err((req, e)) => Ok(conn.bad_frame(req, &e)),
+            },
+            Codec::Json => {
+                Ok(conn.bad_frame(req_in(&b), "binary frames are not part of pigeon.v1.json"))
+            }
+        },
+        WsMessage::Ping(_) | WsMessage::Pong(_) => Ok(Vec::new()),
+        WsMessage::Close(_) => return Err(Stop::ClientClosed),
+    };
+    let replies = replies?;
+    // An answer given at once (a `pong`, an error) first waits for the commands
+    // this connection sent before it, whose answers are then queued ahead of it:
+    // frames are answered in the order they came, so a `ping` after a `send` is
+    // a barrier a client can rely on.
+    if !replies.is_empty() {
+        w.reborrow().wait_for_own_sends(conn).await?;
+    }
+    if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
+        // What was queued before still goes first.
+        let stall = conn.write_stall();
+        let write = async {
+            feed_queued(
+                conn,
+                &mut *w.sink,
+                &mut *w.out_rx,
+                w.codec,
+                None,
+                usize::MAX,
+            )
+            .await;
+            for r in replies {
+                let _ = w.sink.feed(w.codec.message(r.into())).await;
+            }
+        };
+        let _ = tokio::time::timeout(CLOSE_WAIT.min(stall), write).await;
+        return Err(Stop::Close(1008, "too many bad frames"));
+    }
+    // What was queued for this connection before these replies goes first: a
+    // `sync` or `pull` waited for the barrier, by which its sends' `send_ack`s
+    // and pushes are on the outbox, and the protocol answers frames in order.
+    let stall = conn.write_stall();
+    let write = async {
+        if !replies.is_empty()
+            && !feed_queued(
+                conn,
+                &mut *w.sink,
+                &mut *w.out_rx,
+                w.codec,
+                None,
+                usize::MAX,
+            )
+            .await
+        {
+            return false;
+        }
+        for r in replies {
+            if w.sink.feed(w.codec.message(r.into())).await.is_err() {
+                return false;
+            }
+        }
+        w.sink.flush().await.is_ok()
+    };
+    write_within(stall, kill, write).await
+}
+
+/// The connection's timer: a client silent for two heartbeats is closed, pushes due are
+/// sent again, positions are saved every second. Sets the timer's next deadline.
+async fn on_timer(
+    conn: &mut Connection,
+    w: Writer<'_>,
+    kill: &Outbox,
+    mut timer: std::pin::Pin<&mut tokio::time::Sleep>,
+) -> Result<(), Stop> {
+    if conn.last_seen.elapsed() > conn.heartbeat() * 2 {
+        return Err(Stop::Close(1001, "heartbeat timeout"));
+    }
+    // From here the timer is pulled earlier as needed: by the next push to come
+    // due, and at the loop's top by whatever else is pending.
+    timer.as_mut().reset(conn.silence_deadline());
+    let (resend, next_due) = conn.due_resends();
+    if let Some(due) = next_due {
+        // Not sooner than a step from now: each wake scans every unacknowledged
+        // push, and a client that never acknowledges, sent a push a millisecond,
+        // would otherwise have its connection scan them a thousand times a second.
+        let due = tokio::time::Instant::from_std(due)
+            .max(tokio::time::Instant::now() + conn.resend_step());
+        if due < timer.deadline() {
+            timer.as_mut().reset(due);
+        }
+    }
+    let write = async {
+        for frame in resend {
+            if w.sink.feed(w.codec.message(frame)).await.is_err() {
+                return false;
+            }
+        }
+        w.sink.flush().await.is_ok()
+    };
+    write_within(conn.write_stall(), kill, write).await?;
+    if conn.cursors_dirty && conn.last_cursor_flush.elapsed() >= CURSOR_FLUSH_EVERY {
+        conn.flush_cursors(false).await;
+    }
+    Ok(())
 }
 
 /// After this server's close frame: reads and drops what the client sends until its own
