@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod handoff;
 pub mod known_keys;
+pub mod presence;
 pub mod rate_limit;
 pub mod revocation;
 pub mod rules;

@@ -15,15 +15,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::Notify;
 
-/// Where a connection is: the node that holds it, its user, and its id on that node. What
-/// the pipeline answers a WebSocket command to, instead of a handle on its outbox, so that a
-/// command may be decided on another node than the one that holds its connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ConnectionAddr {
-    pub node: u16,
-    pub user: UserId,
-    pub id: u64,
-}
+/// Where a connection is (`pigeon_core::presence`): what the pipeline answers a WebSocket
+/// command to, instead of a handle on its outbox, so that a command may be decided on
+/// another node than the one that holds its connection.
+pub use pigeon_core::presence::ConnectionAddr;
+use pigeon_core::presence::Presence;
 
 struct Conn {
     id: u64,
@@ -54,6 +50,10 @@ pub struct Hub {
     frames: Arc<Budget>,
     /// This node's number (`--node-id`): the `node` of the addresses of its connections.
     node: u16,
+    /// Where the devices of every node are, when this node is one of several: told of each
+    /// connection here, and asked whether a user is online elsewhere before the offline
+    /// hook is called. Alone, this hub's own map is the whole truth.
+    presence: Option<Arc<dyn Presence>>,
 }
 
 /// One reader's receipts in one conversation, paced.
@@ -95,6 +95,7 @@ impl Default for Hub {
             bounds: OutboxBounds::default(),
             frames: Budget::new(OutboxBounds::default().server),
             node: 0,
+            presence: None,
         }
     }
 }
@@ -166,6 +167,9 @@ impl Drop for Registration {
                 shard.remove(&self.user);
             }
         }
+        if let Some(p) = &self.hub.presence {
+            p.disconnected(self.hub.address(self.user, self.id));
+        }
         self.hub.connections.fetch_sub(1, Ordering::Relaxed);
         metrics::gauge!("pigeon_connections").decrement(1.0);
     }
@@ -182,6 +186,21 @@ impl Hub {
             node,
             ..Hub::default()
         }
+    }
+
+    /// This hub as one node of several, whose devices `presence` knows.
+    pub fn with_presence(mut self, presence: Arc<dyn Presence>) -> Hub {
+        self.presence = Some(presence);
+        self
+    }
+
+    /// Whether `user` has a device connected to another node.
+    fn online_elsewhere(&self, user: UserId) -> bool {
+        self.presence.as_ref().is_some_and(|p| {
+            p.connections_of(user)
+                .iter()
+                .any(|(_, a)| a.node != self.node)
+        })
     }
 
     /// The address of this node's connection `id` of `user`.
@@ -274,6 +293,9 @@ impl Hub {
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 c.outbox.send(Outgoing::SaveCursors(tx));
                 saves.push(rx);
+            }
+            if let Some(p) = &self.presence {
+                p.connected(&device, self.address(user, id));
             }
             conns.push(Conn {
                 id,
@@ -395,6 +417,7 @@ impl Hub {
                             && !online
                             && !r.muted
                             && r.user != message.sender
+                            && !self.online_elsewhere(r.user)
                         {
                             hook.notify(Notice::of(&message, r.user));
                         }
@@ -618,6 +641,32 @@ mod tests {
             Outgoing::SaveCursors(_) => "(save cursors)".into(),
             Outgoing::Forget(id) => format!("(forget {id})"),
         }
+    }
+
+    /// Two nodes sharing a presence: each tells it of its connections, and one finds a
+    /// user online on the other (whom it must not call the offline hook for) until that
+    /// connection ends.
+    #[test]
+    fn nodes_sharing_a_presence_see_each_others_connections() {
+        let presence: Arc<dyn Presence> = Arc::new(pigeon_core::presence::LocalPresence::default());
+        let node = |n| {
+            Arc::new(Hub::new(None, OutboxBounds::default(), n).with_presence(presence.clone()))
+        };
+        let (zero, one) = (node(0), node(1));
+        let ann = UserId::new(1).unwrap();
+        assert!(!zero.online_elsewhere(ann));
+        let on_one = one.register(ann, DeviceId::parse("phone").unwrap());
+        assert!(zero.online_elsewhere(ann));
+        assert!(
+            !one.online_elsewhere(ann),
+            "its own connection is not elsewhere"
+        );
+        let found = presence.connections_of(ann);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].1, one.address(ann, on_one.registration.id()));
+        drop(on_one);
+        assert!(!zero.online_elsewhere(ann));
+        assert!(presence.connections_of(ann).is_empty());
     }
 
     /// A user's connections share one budget, each other user has their own, and every
