@@ -1,5 +1,5 @@
 //! The engine: the two stages of a decision, side by side. The conversation stage
-//! (`conversation_stage.rs`) decides each command on its conversation and hands every
+//! (`conversation_stage/`) decides each command on its conversation and hands every
 //! message it appends to the user stage (`user_stage.rs`), which puts it into the members'
 //! inboxes; both stages' rows go into one batch of [`Changes`], committed as one unit. It
 //! never does I/O: the pipeline asks it what it [`Engine::needs`], loads that from the

@@ -4,15 +4,16 @@
 //! nodes on a durable queue; the embedded mode hands it over within one decision, and the
 //! two stages' rows commit in one journal record.
 
+use crate::changes::Recipient;
+use pigeon_proto::Message;
 use pigeon_proto::views::Fanout;
-use pigeon_proto::{Message, UserId};
 use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 pub struct FanOut {
     pub message: Arc<Message>,
     /// The conversation's members when the message was appended, each with whether they
-    /// muted it (no offline notification).
-    pub members: Vec<(UserId, bool)>,
+    /// muted it (no offline notification); their `user_seq`s are the user stage's to give.
+    pub recipients: Vec<Recipient>,
     pub fanout: Fanout,
 }

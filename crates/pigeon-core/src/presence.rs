@@ -16,6 +16,9 @@ pub struct ConnectionAddr {
     pub id: u64,
 }
 
+/// Called by the hub while it holds a lock of its own: an adapter answers from what it
+/// holds (a cache, a queue to its engine), never waits on the network inside a call, and
+/// never calls back into the hub.
 pub trait Presence: Send + Sync {
     /// `device` of `at.user` is connected at `at`.
     fn connected(&self, device: &DeviceId, at: ConnectionAddr);

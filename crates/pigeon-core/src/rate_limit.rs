@@ -8,7 +8,7 @@ use std::time::Duration;
 
 pub trait RateLimit: Send + Sync {
     /// Takes `n` writes from `user`'s allowance: done, or refused with how long until it
-    /// holds them (a request over the whole burst is refused with the wait for a burst).
+    /// holds them (`Duration::MAX` for more than a whole burst, which it never holds).
     fn take(&self, user: UserId, n: u32) -> Result<(), Duration>;
     /// Forgets users whose allowance is full again: memory bounded by who wrote lately.
     fn forget_idle(&self) {}
@@ -30,10 +30,11 @@ pub mod suite {
     pub fn a_burst_goes_then_writes_wait(limit: &dyn RateLimit) {
         assert_eq!(limit.take(uid(1), 60), Ok(()));
         assert_eq!(limit.take(uid(1), 40), Ok(()));
-        let wait = limit.take(uid(1), 1).unwrap_err();
+        // Five writes take half a second to come back: refused, however slow this machine.
+        let wait = limit.take(uid(1), 5).unwrap_err();
         assert!(
-            wait > Duration::ZERO && wait <= Duration::from_millis(100),
-            "one write refills in a tenth of a second: {wait:?}"
+            wait > Duration::ZERO && wait <= Duration::from_millis(500),
+            "five writes refill in half a second: {wait:?}"
         );
         assert_eq!(limit.take(uid(2), 100), Ok(()), "a user's own bucket");
         std::thread::sleep(Duration::from_millis(250));
@@ -42,7 +43,7 @@ pub mod suite {
 
     /// More than a burst at once is never taken.
     pub fn more_than_a_burst_is_refused(limit: &dyn RateLimit) {
-        assert!(limit.take(uid(3), 101).is_err());
+        assert_eq!(limit.take(uid(3), 101), Err(Duration::MAX), "never");
         assert_eq!(
             limit.take(uid(3), 100),
             Ok(()),
@@ -54,7 +55,7 @@ pub mod suite {
     pub fn forgetting_idle_users_keeps_allowances(limit: &dyn RateLimit) {
         assert_eq!(limit.take(uid(4), 100), Ok(()));
         limit.forget_idle();
-        assert!(limit.take(uid(4), 1).is_err(), "still spent");
+        assert!(limit.take(uid(4), 5).is_err(), "still spent");
     }
 }
 

@@ -3,7 +3,7 @@
 //! is told of it once it is durable. It never does I/O: the inbox heads come loaded with
 //! the conversations they belong to, or on their own ([`UserStage::lacks_head`]).
 
-use crate::changes::{Changes, Event, InboxRow, Recipient};
+use crate::changes::{Changes, Event, InboxRow};
 use crate::handoff::FanOut;
 use pigeon_proto::UserId;
 use pigeon_proto::views::Fanout;
@@ -37,32 +37,24 @@ impl UserStage {
     /// them, after the commit.
     pub fn deliver(&mut self, f: FanOut, ch: &mut Changes, ev: &mut Vec<Event>) {
         let msg_id = f.message.msg_id;
-        let mut recipients: Vec<Recipient> = Vec::with_capacity(f.members.len());
-        for (user, muted) in f.members {
-            let user_seq = match f.fanout {
-                Fanout::Write => {
-                    // Guessing here would give a `user_seq` twice, which the tables refuse
-                    // after the sender had its `send_ack`: stopping the decisions (no ack
-                    // for this batch) is the lesser harm.
-                    let head = self
-                        .inbox_heads
-                        .get_mut(&user)
-                        .expect("every member's inbox head is loaded before an append");
-                    *head += 1;
-                    ch.inbox.push(InboxRow {
-                        user,
-                        user_seq: *head,
-                        msg_id,
-                    });
-                    Some(*head)
-                }
-                Fanout::Read => None,
-            };
-            recipients.push(Recipient {
-                user,
-                user_seq,
-                muted,
-            });
+        let mut recipients = f.recipients;
+        if f.fanout == Fanout::Write {
+            for r in &mut recipients {
+                // Guessing here would give a `user_seq` twice, which the tables refuse after
+                // the sender had its `send_ack`: stopping the decisions (no ack for this
+                // batch) is the lesser harm.
+                let head = self
+                    .inbox_heads
+                    .get_mut(&r.user)
+                    .expect("every member's inbox head is loaded before an append");
+                *head += 1;
+                ch.inbox.push(InboxRow {
+                    user: r.user,
+                    user_seq: *head,
+                    msg_id,
+                });
+                r.user_seq = Some(*head);
+            }
         }
         ev.push(Event::Message {
             message: f.message,
@@ -83,6 +75,7 @@ impl UserStage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::changes::Recipient;
     use pigeon_proto::{Message, MessageKind, MessageStatus, MsgId};
     use std::sync::Arc;
 
@@ -108,7 +101,14 @@ mod tests {
                 created_at: 0,
                 edited_at: None,
             }),
-            members: vec![(uid(1), false), (uid(2), true)],
+            recipients: [(1, false), (2, true)]
+                .into_iter()
+                .map(|(u, muted)| Recipient {
+                    user: uid(u),
+                    user_seq: None,
+                    muted,
+                })
+                .collect(),
             fanout,
         }
     }

@@ -37,8 +37,8 @@ impl RateLimit for GovernorLimit {
         match self.limiter.check_key_n(&user, n) {
             Ok(Ok(())) => Ok(()),
             Ok(Err(not_until)) => Err(not_until.wait_time_from(self.clock.now())),
-            // More than the burst: the wait for a whole burst, which it never fits in.
-            Err(_) => Err(Duration::from_secs(10)),
+            // More than the burst, which the bucket never holds.
+            Err(_) => Err(Duration::MAX),
         }
     }
 

@@ -709,13 +709,16 @@ impl Store for SqliteStore {
 /// A fresh directory under the system's temp dir, for tests.
 #[cfg(test)]
 pub(crate) fn temp_dir(name: &str) -> PathBuf {
+    // A count, beside the time: tests that start in the same nanosecond get their own.
+    static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let d = std::env::temp_dir().join(format!(
-        "pigeon-store-{name}-{}-{}",
+        "pigeon-store-{name}-{}-{}-{}",
         std::process::id(),
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
-            .as_nanos()
+            .as_nanos(),
+        MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -761,6 +764,46 @@ mod store_suite {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// While the tables cannot be written (another connection holds SQLite's write lock),
+    /// a batch is still journaled and acknowledged, and reaches the tables once the lock is
+    /// gone; once the journal's backlog is full, the next commit waits for room, then is
+    /// refused as unavailable ("behind"), and nothing of it is stored.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_backlog_refuses_commits_and_a_journaled_batch_still_reaches_the_tables() {
+        let dir = temp_dir("backlog");
+        let store = SqliteStore::open_with(&dir, Durability::Fsync, 1024).unwrap();
+        let db = dir.join("pigeon.db");
+        let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let c = Connection::open(db).unwrap();
+            c.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+            c.execute_batch("BEGIN IMMEDIATE").unwrap();
+            locked_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+            c.execute_batch("ROLLBACK").unwrap();
+        });
+        locked_rx.recv().unwrap();
+        // The backlog was empty: journaled and acknowledged. Its record fills the KiB.
+        let long = "a".repeat(2_000);
+        store.commit(user_named(1, &long)).await.unwrap();
+        let refused = store.commit(user_named(2, "b")).await.unwrap_err();
+        assert!(
+            matches!(&refused, StoreError::Unavailable(m) if m.contains("behind")),
+            "{refused:?}"
+        );
+        release_tx.send(()).unwrap();
+        holder.join().unwrap();
+        assert_eq!(user_name(&store, 1).await, Some(long));
+        assert_eq!(
+            user_name(&store, 2).await,
+            None,
+            "the refused batch was not stored"
+        );
+        drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 
     /// SQLite's errors keep what they say of trying again: a constraint refused is a
     /// conflict, anything else unavailable; other errors are unavailable.

@@ -6,7 +6,7 @@
 //! asks what it [`ConversationStage::needs`], loads that from the store, and
 //! [`ConversationStage::absorb`]s it before applying a batch.
 
-use crate::changes::{Changes, ConversationRow, Event, MemberRow, MessageUpdate};
+use crate::changes::{Changes, ConversationRow, Event, MemberRow, MessageUpdate, Recipient};
 use crate::command::{Command, CursorChain, GroupPatch, Reply, SendCommand, SendTo, SettingsPatch};
 use crate::engine::EngineConfig;
 use crate::error::DomainError;
@@ -105,7 +105,7 @@ impl ConversationStage {
     }
 
     /// Sizes the set of known idempotency keys for about `expected` keys. Call before
-    /// [`Engine::remember_key`] at start.
+    /// [`ConversationStage::remember_key`] at start.
     pub fn expect_keys(&mut self, expected: usize) {
         self.known_keys = KnownKeys::with_capacity(expected);
     }
@@ -531,16 +531,20 @@ impl ConversationStage {
         if fanout == Fanout::Read && conv.read_fanout_since.is_none() {
             conv.read_fanout_since = Some(seq);
         }
-        let members = conv
+        let recipients = conv
             .members
             .iter()
-            .map(|(user, member)| (*user, member.muted))
+            .map(|(user, member)| Recipient {
+                user: *user,
+                user_seq: None,
+                muted: member.muted,
+            })
             .collect();
         self.touched.insert(conv_id.clone());
         ch.messages.push((*message).clone());
         self.handoff.push(FanOut {
             message: message.clone(),
-            members,
+            recipients,
             fanout,
         });
         message
@@ -626,7 +630,7 @@ mod tests {
         assert_eq!(handed.len(), 1);
         assert_eq!(handed[0].message.seq, 1);
         assert_eq!(handed[0].fanout, Fanout::Write);
-        let mut members: Vec<u64> = handed[0].members.iter().map(|(u, _)| u.get()).collect();
+        let mut members: Vec<u64> = handed[0].recipients.iter().map(|r| r.user.get()).collect();
         members.sort();
         assert_eq!(members, vec![1, 2]);
         assert!(ch.inbox.is_empty());
