@@ -339,15 +339,8 @@ pub async fn recall_edit_and_deletion_are_kept_for_the_audit_as_they_say(store: 
         content: "second".into(),
     })
     .await;
-    let versions: Vec<(u32, String)> = store
-        .versions(a.msg_id)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|v| (v.version, v.content))
-        .collect();
     assert_eq!(
-        versions,
+        versions_of(store, a.msg_id).await,
         vec![(1, "first".to_owned()), (2, "second".to_owned())]
     );
     w.one(Command::Recall {
@@ -382,15 +375,8 @@ pub async fn recall_edit_and_deletion_are_kept_for_the_audit_as_they_say(store: 
         (deleted.message.status, deleted.message.content.as_str()),
         (MessageStatus::Deleted, "")
     );
-    let wiped: Vec<(u32, String)> = store
-        .versions(c.msg_id)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|v| (v.version, v.content))
-        .collect();
     assert_eq!(
-        wiped,
+        versions_of(store, c.msg_id).await,
         vec![(1, String::new()), (2, String::new())],
         "the deletion wipes the versions the edit wrote"
     );
@@ -459,6 +445,17 @@ pub async fn acknowledged_positions_move_forward_and_only_for_members(store: &dy
     cold.run(vec![ack(2, CursorChain::Conversation(g.clone()), 100)])
         .await;
     assert_eq!(saved(store, 2, gid).await, 5);
+}
+
+/// A message's stored versions, as (version, content).
+async fn versions_of(store: &dyn Store, msg_id: MsgId) -> Vec<(u32, String)> {
+    store
+        .versions(msg_id)
+        .await
+        .expect("versions")
+        .into_iter()
+        .map(|v| (v.version, v.content))
+        .collect()
 }
 
 /// The position `user`'s device "phone" saved in `chain`.

@@ -695,49 +695,39 @@ async fn on_frame(
     if conn.bad_frames > BAD_FRAMES_PER_WINDOW {
         // What was queued before still goes first.
         let stall = conn.write_stall();
-        let write = async {
-            feed_queued(
-                conn,
-                &mut *w.sink,
-                &mut *w.out_rx,
-                w.codec,
-                None,
-                usize::MAX,
-            )
-            .await;
-            for r in replies {
-                let _ = w.sink.feed(w.codec.message(r.into())).await;
-            }
-        };
+        let write = feed_replies(conn, &mut w, replies);
         let _ = tokio::time::timeout(CLOSE_WAIT.min(stall), write).await;
         return Err(Stop::Close(1008, "too many bad frames"));
     }
-    // What was queued for this connection before these replies goes first: a
-    // `sync` or `pull` waited for the barrier, by which its sends' `send_ack`s
-    // and pushes are on the outbox, and the protocol answers frames in order.
     let stall = conn.write_stall();
-    let write = async {
-        if !replies.is_empty()
-            && !feed_queued(
-                conn,
-                &mut *w.sink,
-                &mut *w.out_rx,
-                w.codec,
-                None,
-                usize::MAX,
-            )
-            .await
-        {
+    let write = async { feed_replies(conn, &mut w, replies).await && w.sink.flush().await.is_ok() };
+    write_within(stall, kill, write).await
+}
+
+/// Feeds `replies` to the socket, without flushing, after what was queued for this
+/// connection before them: a `sync` or `pull` waited for the barrier, by which its sends'
+/// `send_ack`s and pushes are on the outbox, and the protocol answers frames in order.
+/// False once the socket failed.
+async fn feed_replies(conn: &mut Connection, w: &mut Writer<'_>, replies: Vec<String>) -> bool {
+    if !replies.is_empty()
+        && !feed_queued(
+            conn,
+            &mut *w.sink,
+            &mut *w.out_rx,
+            w.codec,
+            None,
+            usize::MAX,
+        )
+        .await
+    {
+        return false;
+    }
+    for r in replies {
+        if w.sink.feed(w.codec.message(r.into())).await.is_err() {
             return false;
         }
-        for r in replies {
-            if w.sink.feed(w.codec.message(r.into())).await.is_err() {
-                return false;
-            }
-        }
-        w.sink.flush().await.is_ok()
-    };
-    write_within(stall, kill, write).await
+    }
+    true
 }
 
 /// The connection's timer: a client silent for two heartbeats is closed, pushes due are
