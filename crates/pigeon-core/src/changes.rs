@@ -117,6 +117,35 @@ pub struct Changes {
 }
 
 impl Changes {
+    /// Moves `other`'s rows in after these: one unit for several partitions' batches (their
+    /// conversations, and so their membership rows, never overlap).
+    pub fn append(&mut self, other: Changes) {
+        let Changes {
+            users,
+            logouts,
+            conversations,
+            messages,
+            inbox,
+            members,
+            message_updates,
+            versions,
+            hidden_messages,
+            cursors,
+            member_cursors,
+        } = other;
+        self.users.extend(users);
+        self.logouts.extend(logouts);
+        self.conversations.extend(conversations);
+        self.messages.extend(messages);
+        self.inbox.extend(inbox);
+        self.members.extend(members);
+        self.message_updates.extend(message_updates);
+        self.versions.extend(versions);
+        self.hidden_messages.extend(hidden_messages);
+        self.cursors.extend(cursors);
+        self.member_cursors.extend(member_cursors);
+    }
+
     pub fn is_empty(&self) -> bool {
         self.users.is_empty()
             && self.logouts.is_empty()

@@ -91,6 +91,9 @@ pub enum Command {
     },
     Send(SendCommand),
     CreateGroup {
+        /// The new group's id, when the caller chose it (a node's router picks one that
+        /// belongs to the partition it sends the command to); `None`: the stage makes one.
+        id: Option<ConversationId>,
         owner: UserId,
         name: String,
         members: Vec<UserId>,

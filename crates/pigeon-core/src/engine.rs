@@ -9,9 +9,11 @@ use crate::changes::{Changes, Event};
 use crate::command::{Command, CursorChain, Reply};
 use crate::conversation_stage::ConversationStage;
 use crate::error::DomainError;
+use crate::node::NodeShared;
 use crate::store::{Loaded, Needs};
 use crate::user_stage::UserStage;
 use pigeon_proto::{ClientMsgId, UserId};
+use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -52,25 +54,31 @@ impl Engine {
         self.conversations.config()
     }
 
+    /// What this engine shares with a node's partitions: ids, known idempotency keys,
+    /// durable registrations.
+    pub fn shared(&self) -> &Arc<NodeShared> {
+        self.conversations.shared()
+    }
+
     /// Sizes the set of known idempotency keys for about `expected` keys. Call before
     /// [`Engine::remember_key`] at start.
     pub fn expect_keys(&mut self, expected: usize) {
-        self.conversations.expect_keys(expected);
+        self.shared().expect_keys(expected);
     }
 
     /// Tells the engine of an idempotency key the store holds (see
-    /// [`ConversationStage::remember_key`]).
+    /// [`NodeShared::remember_key`]).
     pub fn remember_key(&mut self, sender: UserId, client_msg_id: &ClientMsgId) {
-        self.conversations.remember_key(sender, client_msg_id);
+        self.shared().remember_key(sender, client_msg_id);
     }
 
     /// The time of the newest id handed out, or of the store's newest message at start.
     pub fn newest_id_ms(&self) -> i64 {
-        self.conversations.newest_id_ms()
+        self.shared().newest_id_ms()
     }
 
     pub fn known_key_count(&self) -> u64 {
-        self.conversations.known_key_count()
+        self.shared().known_key_count()
     }
 
     /// What must be loaded before `batch` can be applied. Call again after each
@@ -158,22 +166,13 @@ impl Engine {
             Command::UpsertUser { user, .. } if !self.conversations.knows(user) => {
                 self.users.absorb_head(user, 0);
             }
-            // An acknowledgement past the inbox's newest seq counts up to the newest: stored
-            // as given, the device would skip what comes next when it resumes.
             Command::AdvanceCursor {
                 user,
                 device,
                 chain: CursorChain::Inbox,
                 seq,
             } => {
-                if let Some(newest) = self.users.head(user) {
-                    ch.cursors.push((
-                        user,
-                        device,
-                        CursorChain::Inbox.key().to_owned(),
-                        seq.min(newest),
-                    ));
-                }
+                self.users.inbox_cursor(user, device, seq, ch);
                 return Ok(Reply::Done);
             }
             _ => {}

@@ -83,6 +83,7 @@ fn group(
     ev: &mut Vec<Event>,
 ) -> ConversationId {
     let cmd = Command::CreateGroup {
+        id: None,
         owner: uid(owner),
         name: "g".into(),
         members: members.iter().map(|m| uid(*m)).collect(),
@@ -686,6 +687,7 @@ fn a_user_registered_in_a_batch_can_be_written_to_in_the_same_batch() {
             users: vec![new],
         },
         Command::CreateGroup {
+            id: None,
             owner: uid(2),
             name: "h".into(),
             members: vec![new],

@@ -156,6 +156,7 @@ impl<'a> Writer<'a> {
 
     pub async fn group(&mut self, owner: u64, members: &[u64]) -> ConversationId {
         let cmd = Command::CreateGroup {
+            id: None,
             owner: uid(owner),
             name: "team".into(),
             members: members.iter().map(|u| uid(*u)).collect(),

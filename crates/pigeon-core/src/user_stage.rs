@@ -4,9 +4,10 @@
 //! the conversations they belong to, or on their own ([`UserStage::lacks_head`]).
 
 use crate::changes::{Changes, Event, InboxRow};
+use crate::command::CursorChain;
 use crate::handoff::FanOut;
-use pigeon_proto::UserId;
 use pigeon_proto::views::Fanout;
+use pigeon_proto::{DeviceId, UserId};
 use std::collections::HashMap;
 
 #[derive(Debug, Default)]
@@ -31,6 +32,67 @@ impl UserStage {
     /// Takes a head the store gave, unless this stage holds a newer one of its own.
     pub fn absorb_head(&mut self, user: UserId, head: u64) {
         self.inbox_heads.entry(user).or_insert(head);
+    }
+
+    /// Records a device's acknowledged position in its inbox, clamped to the inbox's newest
+    /// `user_seq`: stored as given, a position past it would make the device skip what
+    /// comes next when it resumes. Nothing is recorded for a user without a head (not
+    /// registered).
+    pub fn inbox_cursor(&self, user: UserId, device: DeviceId, seq: u64, ch: &mut Changes) {
+        if let Some(newest) = self.head(user) {
+            ch.cursors.push((
+                user,
+                device,
+                CursorChain::Inbox.key().to_owned(),
+                seq.min(newest),
+            ));
+        }
+    }
+
+    /// The users whose inbox heads this stage must have before it can take `handoffs`
+    /// (the members of write fan-out messages) and `cursors` (devices' inbox positions).
+    pub fn lacking_heads<'a>(
+        &self,
+        handoffs: impl IntoIterator<Item = &'a FanOut>,
+        cursors: impl IntoIterator<Item = UserId>,
+    ) -> std::collections::HashSet<UserId> {
+        let mut lacking = std::collections::HashSet::new();
+        for f in handoffs {
+            if f.fanout == Fanout::Write {
+                lacking.extend(
+                    f.recipients
+                        .iter()
+                        .map(|r| r.user)
+                        .filter(|u| self.lacks_head(*u)),
+                );
+            }
+        }
+        lacking.extend(cursors.into_iter().filter(|u| self.lacks_head(*u)));
+        lacking
+    }
+
+    /// Takes the heads the store loaded for `asked` (see [`UserStage::lacking_heads`]): a
+    /// user the store holds no inbox row of starts at 0.
+    pub fn absorb_heads(
+        &mut self,
+        loaded: HashMap<UserId, u64>,
+        asked: &std::collections::HashSet<UserId>,
+    ) {
+        for (u, head) in loaded {
+            self.absorb_head(u, head);
+        }
+        for u in asked {
+            self.absorb_head(*u, 0);
+        }
+    }
+
+    /// How many users' heads are held.
+    pub fn len(&self) -> usize {
+        self.inbox_heads.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inbox_heads.is_empty()
     }
 
     /// Appends `f`'s message to its members' inboxes (write fan-out) and announces it to

@@ -53,6 +53,9 @@ pub struct ServeArgs {
     /// This node's number in message ids, 0..=1023: nodes that hand out ids side by side must each have their own [default: 0]
     #[arg(long, env = "PIGEON_NODE_ID")]
     pub node_id: Option<u16>,
+    /// Partitions of each tier (single chats, small, medium and large groups), 1..=16: each decides its conversations' commands on its own [default: 2]
+    #[arg(long, env = "PIGEON_PARTITIONS_PER_TIER")]
+    pub partitions_per_tier: Option<usize>,
     /// fsync (default) or os
     #[arg(long, env = "PIGEON_DURABILITY", value_enum)]
     pub durability: Option<DurabilityMode>,
@@ -150,6 +153,8 @@ struct FileConfig {
     durability: Option<DurabilityMode>,
     #[serde(alias = "node-id")]
     node_id: Option<u16>,
+    #[serde(alias = "partitions-per-tier")]
+    partitions_per_tier: Option<usize>,
     #[serde(alias = "journal-backlog-kib")]
     journal_backlog_kib: Option<usize>,
     #[serde(alias = "max-connections")]
@@ -188,6 +193,7 @@ pub struct Config {
     pub heartbeat_ms: u64,
     pub durability: DurabilityMode,
     pub node_id: u16,
+    pub partitions_per_tier: usize,
     pub journal_backlog_kib: usize,
     pub max_connections: usize,
     /// `None`: what the open-file limit leaves (`open_files::connections_for`).
@@ -216,6 +222,7 @@ impl Default for Config {
             heartbeat_ms: 30_000,
             durability: DurabilityMode::Fsync,
             node_id: 0,
+            partitions_per_tier: crate::pipeline::DEFAULT_PARTITIONS_PER_TIER,
             journal_backlog_kib: pigeon_store_sqlite::DEFAULT_BACKLOG_BYTES / 1024,
             max_connections: 100_000,
             max_open_connections: None,
@@ -308,6 +315,10 @@ impl Config {
                 .unwrap_or(d.heartbeat_ms),
             durability: args.durability.or(file.durability).unwrap_or(d.durability),
             node_id: args.node_id.or(file.node_id).unwrap_or(d.node_id),
+            partitions_per_tier: args
+                .partitions_per_tier
+                .or(file.partitions_per_tier)
+                .unwrap_or(d.partitions_per_tier),
             journal_backlog_kib: args
                 .journal_backlog_kib
                 .or(file.journal_backlog_kib)
@@ -380,6 +391,9 @@ impl Config {
         }
         if self.node_id > pigeon_core::snowflake::MAX_NODE {
             return invalid("node-id must be 0..=1023 (ten bits of every message id)");
+        }
+        if !(1..=crate::pipeline::MAX_PARTITIONS_PER_TIER).contains(&self.partitions_per_tier) {
+            return invalid("partitions-per-tier must be 1..=16");
         }
         if self.max_open_connections == Some(0) {
             return invalid("max-open-connections must be at least 1");
@@ -500,6 +514,14 @@ mod tests {
             (with(|a| a.push_retry_ms = Some(9)), "push-retry-ms"),
             (with(|a| a.heartbeat_ms = Some(99)), "heartbeat-ms"),
             (with(|a| a.node_id = Some(1024)), "node-id"),
+            (
+                with(|a| a.partitions_per_tier = Some(0)),
+                "partitions-per-tier",
+            ),
+            (
+                with(|a| a.partitions_per_tier = Some(17)),
+                "partitions-per-tier",
+            ),
         ] {
             let err = refused.unwrap_err();
             assert!(err.contains(what), "{err}");
@@ -509,6 +531,7 @@ mod tests {
         with(|a| a.push_retry_ms = Some(10)).unwrap();
         with(|a| a.heartbeat_ms = Some(100)).unwrap();
         with(|a| a.node_id = Some(1023)).unwrap();
+        with(|a| a.partitions_per_tier = Some(16)).unwrap();
     }
 
     #[test]

@@ -8,7 +8,6 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod hub;
-pub mod lag;
 pub mod limits;
 pub mod open_files;
 pub mod openapi;

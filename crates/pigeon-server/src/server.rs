@@ -7,7 +7,8 @@ use crate::auth::{TokenSigner, random_secret};
 use crate::config::{Config, DurabilityMode};
 use crate::hub::Hub;
 use crate::pipeline::Pipeline;
-use pigeon_core::engine::{Engine, EngineConfig};
+use pigeon_core::engine::EngineConfig;
+use pigeon_core::node::NodeShared;
 use pigeon_core::store::Store;
 use pigeon_store_sqlite::{Durability, SqliteStore};
 use std::net::SocketAddr;
@@ -116,8 +117,8 @@ pub async fn start_with_store(cfg: Config, store: Arc<dyn Store>) -> Result<Runn
         node_id: cfg.node_id,
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(engine_cfg, store.max_msg_id().await?);
-    learn_idempotency_keys(&*store, &mut engine).await?;
+    let shared = Arc::new(NodeShared::new(cfg.node_id, store.max_msg_id().await?));
+    learn_idempotency_keys(&*store, &shared).await?;
     let offline = cfg.offline_webhook_url.clone().map(|url| {
         crate::webhook::OfflineHook::start(
             url,
@@ -126,7 +127,13 @@ pub async fn start_with_store(cfg: Config, store: Arc<dyn Store>) -> Result<Runn
         )
     });
     let hub = Arc::new(Hub::new(offline, cfg.outbox_bounds(), cfg.node_id));
-    let (pipeline, _pipeline_task) = Pipeline::start(store.clone(), engine, hub.clone());
+    let (pipeline, _pipeline_task) = Pipeline::start(
+        store.clone(),
+        engine_cfg,
+        shared,
+        hub.clone(),
+        cfg.partitions_per_tier,
+    );
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|source| StartError::Bind {
@@ -235,11 +242,11 @@ impl Running {
     }
 }
 
-/// Tells the engine every stored idempotency key (see `Engine::remember_key`), page by page,
-/// with progress in the log for a large store.
+/// Tells the partitions every stored idempotency key (see `NodeShared::remember_key`), page
+/// by page, with progress in the log for a large store.
 async fn learn_idempotency_keys(
     store: &dyn pigeon_core::Store,
-    engine: &mut Engine,
+    engine: &NodeShared,
 ) -> Result<(), pigeon_core::StoreError> {
     const PAGE: usize = 50_000;
     let started = std::time::Instant::now();

@@ -16,6 +16,7 @@ impl ConversationStage {
 
     pub(super) fn create_group(
         &mut self,
+        id: Option<ConversationId>,
         owner: UserId,
         name: String,
         members: Vec<UserId>,
@@ -36,10 +37,17 @@ impl ConversationStage {
             )));
         }
         // `not_found`: "no such ... user" (PROTOCOL.md 1), as for a send to one.
-        if all.iter().any(|u| !self.known_users.contains(u)) {
+        if all.iter().any(|u| !self.knows(*u)) {
             return Err(DomainError::NotFound("user"));
         }
-        let id = ConversationId::group(self.ids.next(now));
+        let id = match id {
+            Some(id) if id.is_group() => id,
+            Some(_) => return Err(DomainError::invalid("a group's id names no users")),
+            None => ConversationId::group(self.shared.next_id(now)),
+        };
+        if self.conversations.contains_key(&id) {
+            return Err(DomainError::Conflict("the group exists".into()));
+        }
         let members = all
             .iter()
             .map(|u| {
@@ -53,6 +61,7 @@ impl ConversationStage {
                 (*u, MemberState::joined(role, 1, 1, now))
             })
             .collect();
+        self.absent.remove(&id);
         self.conversations.insert(
             id.clone(),
             new_conversation(id.clone(), true, Some(name), Some(owner), members, now),
@@ -76,11 +85,7 @@ impl ConversationStage {
         rules::validate_invitees(&users)?;
         // Looked up before the group is borrowed: at most a thousand, not a copy of every
         // known user.
-        let unknown: HashSet<UserId> = users
-            .iter()
-            .filter(|u| !self.known_users.contains(u))
-            .copied()
-            .collect();
+        let unknown: HashSet<UserId> = users.iter().filter(|u| !self.knows(**u)).copied().collect();
         let conv = self.member_group_mut(conv_id, actor)?;
         role_of(conv, actor)?;
         still_open(conv)?;

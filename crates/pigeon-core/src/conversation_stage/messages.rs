@@ -17,7 +17,7 @@ impl ConversationStage {
                 let id = ConversationId::single(s.sender, peer)
                     .map_err(|e| DomainError::invalid(e.0))?;
                 if !self.conversations.contains_key(&id) {
-                    if !self.known_users.contains(&peer) {
+                    if !self.knows(peer) {
                         return Err(DomainError::NotFound("user"));
                     }
                     self.create_single(&id, s.sender, peer, now);
@@ -61,7 +61,7 @@ impl ConversationStage {
             created_at: msg.created_at,
             duplicate: false,
         };
-        self.known_keys.insert(key.0, &key.1);
+        self.shared.remember_key(key.0, &key.1);
         self.dedupe.insert(self.batch, key, ack.clone());
         Ok(Reply::SendAck(ack))
     }

@@ -11,9 +11,8 @@ use crate::command::{Command, CursorChain, GroupPatch, Reply, SendCommand, SendT
 use crate::engine::EngineConfig;
 use crate::error::DomainError;
 use crate::handoff::FanOut;
-use crate::known_keys::KnownKeys;
+use crate::node::NodeShared;
 use crate::rules::{self, outranks};
-use crate::snowflake::Snowflake;
 use crate::state::{ConversationState, MemberState};
 use crate::store::{Loaded, Needs};
 use crate::until_committed::UntilCommitted;
@@ -31,11 +30,14 @@ mod messages;
 
 pub struct ConversationStage {
     cfg: EngineConfig,
-    ids: Snowflake,
+    /// The id generator, known idempotency keys and durable registrations this stage shares
+    /// with the node's other partitions.
+    shared: Arc<NodeShared>,
     conversations: HashMap<ConversationId, ConversationState>,
     /// Conversations known not to exist (until created).
     absent: HashSet<ConversationId>,
-    /// Registered users: who may join a conversation or be sent to.
+    /// Registered users this stage has seen (loaded, or registered by its own batches):
+    /// with [`NodeShared::is_registered`], who may join a conversation or be sent to.
     known_users: HashSet<UserId>,
     /// The batch being decided. Batches are numbered from 1; [`ConversationStage::seal`]
     /// closes one and opens the next, [`ConversationStage::committed`] says which are
@@ -46,8 +48,6 @@ pub struct ConversationStage {
     messages: UntilCommitted<MsgId, Option<Message>>,
     dedupe: UntilCommitted<(UserId, ClientMsgId), SendAck>,
     dedupe_checked: UntilCommitted<(UserId, ClientMsgId), ()>,
-    /// Every idempotency key the store may hold: a key it has never seen needs no look-up.
-    known_keys: KnownKeys,
     /// Conversations changed in the open batch (their rows are written by
     /// [`ConversationStage::seal`]).
     touched: HashSet<ConversationId>,
@@ -84,8 +84,14 @@ fn still_open(conv: &ConversationState) -> Result<(), DomainError> {
 
 impl ConversationStage {
     pub fn new(cfg: EngineConfig, max_msg_id: u64) -> Self {
+        let shared = Arc::new(NodeShared::new(cfg.node_id, max_msg_id));
+        ConversationStage::with_shared(cfg, shared)
+    }
+
+    /// A stage for one partition of a node, sharing `shared` with the node's others.
+    pub fn with_shared(cfg: EngineConfig, shared: Arc<NodeShared>) -> Self {
         ConversationStage {
-            ids: Snowflake::new(cfg.node_id, max_msg_id),
+            shared,
             cfg,
             conversations: HashMap::new(),
             absent: HashSet::new(),
@@ -94,7 +100,6 @@ impl ConversationStage {
             messages: UntilCommitted::default(),
             dedupe: UntilCommitted::default(),
             dedupe_checked: UntilCommitted::default(),
-            known_keys: KnownKeys::with_capacity(crate::known_keys::MIN_CAPACITY),
             touched: HashSet::new(),
             handoff: Vec::new(),
         }
@@ -104,33 +109,13 @@ impl ConversationStage {
         &self.cfg
     }
 
-    /// Sizes the set of known idempotency keys for about `expected` keys. Call before
-    /// [`ConversationStage::remember_key`] at start.
-    pub fn expect_keys(&mut self, expected: usize) {
-        self.known_keys = KnownKeys::with_capacity(expected);
-    }
-
-    /// Tells the stage of an idempotency key the store holds. At start, for every stored
-    /// key: a key it was not told of is taken for new without asking the store.
-    pub fn remember_key(&mut self, sender: UserId, client_msg_id: &ClientMsgId) {
-        self.known_keys.insert(sender, client_msg_id);
-    }
-
-    /// The time of the newest id handed out, or of the store's newest message at start:
-    /// decisions made from now on must not be stamped earlier (the pipeline's decision
-    /// clock).
-    pub fn newest_id_ms(&self) -> i64 {
-        self.ids.last_ms()
-    }
-
-    /// How many keys [`ConversationStage::remember_key`] and new sends have added.
-    pub fn known_key_count(&self) -> u64 {
-        self.known_keys.len()
+    pub fn shared(&self) -> &Arc<NodeShared> {
+        &self.shared
     }
 
     /// Whether `user` is a registered user this stage knows of.
     pub fn knows(&self, user: UserId) -> bool {
-        self.known_users.contains(&user)
+        self.known_users.contains(&user) || self.shared.is_registered(user)
     }
 
     #[cfg(test)]
@@ -155,7 +140,7 @@ impl ConversationStage {
             }
         };
         let want_user = |n: &mut Needs, u: UserId| {
-            if !self.known_users.contains(&u) || !has_head(u) {
+            if !self.knows(u) || !has_head(u) {
                 n.users.insert(u);
             }
         };
@@ -164,7 +149,7 @@ impl ConversationStage {
                 Command::Send(s) => {
                     // Never seen (new for sure: the common case, asked first, with no key
                     // built), or known already (answered from memory): no look-up.
-                    if self.known_keys.may_contain(s.sender, &s.client_msg_id) {
+                    if self.shared.may_hold_key(s.sender, &s.client_msg_id) {
                         let key = (s.sender, s.client_msg_id.clone());
                         if !self.dedupe.contains_key(&key)
                             && !self.dedupe_checked.contains_key(&key)
@@ -314,6 +299,21 @@ impl ConversationStage {
         self.handoff.clear();
     }
 
+    /// Gives up `id`, whose commands go to another partition from now on: its cached state,
+    /// for that partition to [`ConversationStage::adopt`] (`None` when it is not cached).
+    /// Only once every batch that touched it is committed.
+    pub fn release(&mut self, id: &ConversationId) -> Option<ConversationState> {
+        self.absent.remove(id);
+        self.conversations.remove(id)
+    }
+
+    /// Takes over a conversation another partition released, with the state it held.
+    pub fn adopt(&mut self, state: ConversationState) {
+        self.absent.remove(&state.id);
+        self.known_users.extend(state.members.keys().copied());
+        self.conversations.insert(state.id.clone(), state);
+    }
+
     /// The messages the last [`ConversationStage::apply`] appended, for the user stage.
     pub fn handed_off(&mut self) -> std::vec::Drain<'_, FanOut> {
         self.handoff.drain(..)
@@ -342,10 +342,11 @@ impl ConversationStage {
             }
             Command::Send(s) => self.send(s, now, ch),
             Command::CreateGroup {
+                id,
                 owner,
                 name,
                 members,
-            } => self.create_group(owner, name, members, now, ch),
+            } => self.create_group(id, owner, name, members, now, ch),
             Command::Invite {
                 actor,
                 conversation,
@@ -498,7 +499,8 @@ impl ConversationStage {
         now: i64,
         ch: &mut Changes,
     ) -> Arc<Message> {
-        let msg_id = MsgId::new(self.ids.next(now)).expect("snowflakes are positive 63-bit ids");
+        let msg_id =
+            MsgId::new(self.shared.next_id(now)).expect("snowflakes are positive 63-bit ids");
         let write_max = self.cfg.fanout_write_max_members;
         let conv = self
             .conversations

@@ -35,6 +35,7 @@ pub async fn create(
     let reply = app
         .pipeline
         .call(Command::CreateGroup {
+            id: None,
             owner: me,
             name: b.name,
             members: b.members,

@@ -6,7 +6,7 @@
 use super::Connection;
 use crate::error::ApiError;
 use crate::outbox::{Frame, MIN_SHARE, Outgoing, PushChain};
-use crate::pipeline::{ReplyTo, Tier};
+use crate::pipeline::ReplyTo;
 use axum::extract::ws::Utf8Bytes;
 use pigeon_core::command::{Command, CursorChain};
 use pigeon_proto::ConversationId;
@@ -95,6 +95,9 @@ impl Connection {
                 None
             }
             Outgoing::Push { chain, frame } => {
+                if let PushChain::Inbox(us) = chain {
+                    self.inbox_seen = self.inbox_seen.max(us);
+                }
                 let text = frame.text();
                 let bytes_at_most = if self.outbox.under_pressure() {
                     MIN_SHARE / 10
@@ -140,7 +143,7 @@ impl Connection {
         if let Some(us) = a.user_seq {
             self.unacked
                 .retain(|k, _| !matches!(k, PushChain::Inbox(s) if *s <= us));
-            self.advance("user", us);
+            self.advance("user", us.min(self.inbox_seen));
             any = true;
         }
         match (a.conversation_id, a.seq) {
@@ -216,14 +219,14 @@ impl Connection {
                 self.cursors.retain(|chain, _| chain == "user");
             }
             // Committed by the next barrier: a read's, the close's, or the one below.
-            self.sent_on(Tier::Fast);
             for cmd in cmds {
                 let key = match &cmd {
                     Command::AdvanceCursor { chain, .. } => chain.key().to_owned(),
                     _ => unreachable!("only cursor moves are queued here"),
                 };
-                if let Err(e) = self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
-                    tracing::warn!(error = %e, user = %self.user, "cursor not saved");
+                match self.app.pipeline.submit(cmd, ReplyTo::Nobody).await {
+                    Ok(route) => self.sent_on(route),
+                    Err(e) => tracing::warn!(error = %e, user = %self.user, "cursor not saved"),
                 }
                 self.cursors.remove(&key);
             }

@@ -3,7 +3,7 @@
 
 use super::{Connection, MAX_FRAME_BYTES};
 use crate::error::ApiError;
-use crate::pipeline::{ConnectionReply, ReplyTo, Tier, now_ms};
+use crate::pipeline::{ConnectionReply, ReplyTo, now_ms};
 use pigeon_core::command::Command;
 use pigeon_core::rules::validate_send;
 use pigeon_proto::ErrorCode;
@@ -128,7 +128,7 @@ impl Connection {
                 frame,
                 ClientFrame::Sync(_) | ClientFrame::Pull(_) | ClientFrame::Ping
             )
-            && (self.cursors_dirty || self.sent_since_barrier.any())
+            && (self.cursors_dirty || !self.sent_since_barrier.is_empty())
         {
             // Queued behind this connection's commands: one barrier covers both.
             self.flush_cursors(false).await;
@@ -164,8 +164,9 @@ impl Connection {
                 app.limits.check_send(self.user)?;
                 let cmd = validate_send(self.user, s, app.limits())?;
                 let reply = self.reply_to(req);
-                let tier = app.pipeline.submit(Command::Send(cmd), reply).await?;
-                self.sent_on(tier);
+                app.pipeline
+                    .submit_in_order(Command::Send(cmd), reply, &mut self.sent_since_barrier)
+                    .await?;
                 Ok(Vec::new())
             }
             ClientFrame::Ack(a) => {
@@ -182,6 +183,7 @@ impl Connection {
                 // This connection's earlier commands and acks first.
                 self.flush_cursors(true).await;
                 let s = app.sync(self.user, &self.device, &f).await?;
+                self.inbox_seen = self.inbox_seen.max(s.user_seq);
                 let frame = ServerFrame::SyncResult {
                     req,
                     user_seq: s.user_seq,
@@ -194,6 +196,11 @@ impl Connection {
                 // This connection's earlier commands and acks first.
                 self.flush_cursors(true).await;
                 let (items, has_more) = app.pull(self.user, &self.device, &f).await?;
+                if f.chain == pigeon_proto::frames::Chain::User
+                    && let Some(last) = items.last()
+                {
+                    self.inbox_seen = self.inbox_seen.max(last.seq);
+                }
                 Ok(vec![
                     ServerFrame::PullResult {
                         req,
@@ -205,14 +212,16 @@ impl Connection {
             }
             ClientFrame::Read(r) => {
                 app.limits.check_send(self.user)?;
-                self.sent_on(Tier::Fast);
                 let cmd = Command::Read {
                     user: self.user,
                     conversation: r.conversation_id,
                     seq: r.seq,
                     from_device: Some(self.device.clone()),
                 };
-                app.pipeline.submit(cmd, self.reply_to(req)).await?;
+                let reply = self.reply_to(req);
+                app.pipeline
+                    .submit_in_order(cmd, reply, &mut self.sent_since_barrier)
+                    .await?;
                 Ok(Vec::new())
             }
             ClientFrame::Typing(t) => self.typing(t, req).await,

@@ -17,7 +17,7 @@ use crate::auth::bearer;
 use crate::error::ApiError;
 use crate::hub::{Admission, Refused, Registered, Registration};
 use crate::outbox::{KillReason, Outbox, OutboxReader, Outgoing};
-use crate::pipeline::{Tier, now_ms};
+use crate::pipeline::{Route, RouteSet, now_ms};
 use crate::protobuf;
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{Query, State};
@@ -231,10 +231,16 @@ struct Connection {
     /// (A `BTreeMap`, 24 bytes against a `HashMap`'s 48, in every connection's task.)
     cursors: BTreeMap<String, u64>,
     cursors_dirty: bool,
-    /// The queues this connection's sends went to since the last barrier: a `sync` or `pull`
-    /// after them first waits until they are committed, so this connection's frames are
-    /// handled in the order they came (a flood queued in the other tier is not waited for).
-    sent_since_barrier: SentOn,
+    /// The newest `user_seq` this connection has told its device of (`hello`, pushes,
+    /// `sync`, `pull`): an inbox ack past it counts up to it. The inbox's head moves on
+    /// in other partitions meanwhile; clamped only later, an ack past the newest would
+    /// skip what came after it.
+    inbox_seen: u64,
+    /// The partitions this connection's commands went to since the last barrier: a `sync`
+    /// or `pull` after them first waits until they are committed, so this connection's
+    /// frames are handled in the order they came (a flood in other partitions is not
+    /// waited for).
+    sent_since_barrier: RouteSet,
     last_cursor_flush: Instant,
     last_seen: Instant,
     bad_frames: u32,
@@ -247,20 +253,6 @@ struct Connection {
     registration: Registration,
     /// The live room this connection watches (at most one).
     room: Option<Box<str>>,
-}
-
-/// The queues a connection's commands went to since its last barrier (two flags, not a
-/// list: kept in every connection, idle or not).
-#[derive(Default, Clone, Copy)]
-struct SentOn {
-    fast: bool,
-    bulk: bool,
-}
-
-impl SentOn {
-    fn any(self) -> bool {
-        self.fast || self.bulk
-    }
 }
 
 /// Where a connection's frames go out, and what ends it: borrowed for the waits that must
@@ -483,14 +475,17 @@ async fn run(
         unacked: Unacked::default(),
         cursors: BTreeMap::new(),
         cursors_dirty: false,
+        inbox_seen: 0,
         // With another connection of this device still registered (ending, or half-open:
         // a socket gone without a word, and a client that reconnected), as if this one had
         // sent already: its first `sync` or `pull` (or answer given at once) passes a
         // barrier behind the acknowledged positions that one queued when asked at the
-        // registration above. (One no longer registered has saved them.)
-        sent_since_barrier: SentOn {
-            fast: device_was_connected,
-            bulk: false,
+        // registration above, wherever they went. (One no longer registered has saved
+        // them.)
+        sent_since_barrier: if device_was_connected {
+            RouteSet::all()
+        } else {
+            RouteSet::default()
         },
         last_cursor_flush: now,
         last_seen: now,
@@ -516,6 +511,7 @@ async fn run(
         let _ = sink.send(close(1011, "unavailable")).await;
         return;
     };
+    conn.inbox_seen = head;
     if !current {
         // Boxed, and the frame made inside: held across these awaits in the task itself,
         // they would size every connection's task for its whole life.
@@ -818,12 +814,9 @@ fn stop_for_read_error(e: axum::Error) -> Stop {
 }
 
 impl Connection {
-    /// Notes that this connection queued a command on `tier` (see `sent_since_barrier`).
-    fn sent_on(&mut self, tier: Tier) {
-        match tier {
-            Tier::Fast => self.sent_since_barrier.fast = true,
-            Tier::Bulk => self.sent_since_barrier.bulk = true,
-        }
+    /// Notes that this connection queued a command on `route` (see `sent_since_barrier`).
+    fn sent_on(&mut self, route: Route) {
+        self.sent_since_barrier.add(route);
     }
 
     /// Waits until the commands this connection queued are committed (or refused), without
@@ -886,27 +879,24 @@ impl Connection {
             + Duration::from_millis(1)
     }
 
-    /// Notes again queues this connection's commands went to (a barrier left unfinished).
-    fn sent_on_all(&mut self, sent: SentOn) {
-        self.sent_since_barrier.fast |= sent.fast;
-        self.sent_since_barrier.bulk |= sent.bulk;
+    /// Notes again partitions this connection's commands went to (a barrier left
+    /// unfinished).
+    fn sent_on_all(&mut self, sent: RouteSet) {
+        self.sent_since_barrier.extend(sent);
     }
 
     /// The wait until the commands this connection queued since the last barrier are
     /// committed (or refused), at most [`OWN_SENDS_WAIT`], with the queues it covers (taken
     /// from `sent_since_barrier`); `None` when it queued none. It borrows nothing of the
     /// connection, so the connection can write while it waits.
-    fn own_sends_barrier(&mut self) -> Option<(SentOn, impl Future<Output = ()> + use<>)> {
+    fn own_sends_barrier(&mut self) -> Option<(RouteSet, impl Future<Output = ()> + use<>)> {
         let sent = std::mem::take(&mut self.sent_since_barrier);
-        let tiers: &'static [Tier] = match (sent.fast, sent.bulk) {
-            (false, false) => return None,
-            (true, false) => &[Tier::Fast],
-            (false, true) => &[Tier::Bulk],
-            (true, true) => &[Tier::Fast, Tier::Bulk],
-        };
+        if sent.is_empty() {
+            return None;
+        }
         let (app, user) = (self.app.clone(), self.user);
         Some((sent, async move {
-            match tokio::time::timeout(OWN_SENDS_WAIT, app.pipeline.flush_tiers(tiers)).await {
+            match tokio::time::timeout(OWN_SENDS_WAIT, app.pipeline.flush_routes(sent)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, user = %user, "waiting for this connection's sends failed");

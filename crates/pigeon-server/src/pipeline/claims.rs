@@ -1,0 +1,69 @@
+//! The idempotency keys partitions are deciding. A sender's `client_msg_id` names one send
+//! across all their conversations (PROTOCOL.md 1), and a retry may name another
+//! conversation, owned by another partition. The store answers a key once its batch is
+//! durable; until then the partition deciding it holds a claim, so no other partition takes
+//! the same key for a new message meanwhile: the second is answered `unavailable`, and its
+//! retry, once the first is durable, finds the first's `send_ack`.
+
+use pigeon_proto::{ClientMsgId, UserId};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+pub(super) type Key = (UserId, ClientMsgId);
+
+#[derive(Default)]
+pub(super) struct KeyClaims {
+    /// Each claimed key: the partition holding it, and how many of its commands do.
+    held: Mutex<HashMap<Key, (usize, u32)>>,
+}
+
+impl KeyClaims {
+    /// Claims `key` for `partition`, which may claim a key it holds again (a retry within
+    /// it is its own duplicate). False when another partition holds it.
+    pub(super) fn claim(&self, key: &Key, partition: usize) -> bool {
+        let mut held = self.held.lock().expect("claims lock");
+        match held.get_mut(key) {
+            Some((holder, n)) if *holder == partition => {
+                *n += 1;
+                true
+            }
+            Some(_) => false,
+            None => {
+                held.insert(key.clone(), (partition, 1));
+                true
+            }
+        }
+    }
+
+    /// Lets go of claims `partition` took, once the store answers for their batch (it is
+    /// durable) or the batch is refused.
+    pub(super) fn release(&self, keys: impl IntoIterator<Item = Key>) {
+        let mut held = self.held.lock().expect("claims lock");
+        for key in keys {
+            if let Some((_, n)) = held.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    held.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_is_held_by_one_partition_until_each_of_its_claims_is_released() {
+        let claims = KeyClaims::default();
+        let key = (UserId::new(1).unwrap(), ClientMsgId::parse("m").unwrap());
+        assert!(claims.claim(&key, 0));
+        assert!(claims.claim(&key, 0), "again by the same partition");
+        assert!(!claims.claim(&key, 1));
+        claims.release([key.clone()]);
+        assert!(!claims.claim(&key, 1), "one claim of partition 0 is left");
+        claims.release([key.clone()]);
+        assert!(claims.claim(&key, 1));
+    }
+}
