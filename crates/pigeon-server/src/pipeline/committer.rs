@@ -4,7 +4,7 @@
 //! message), commits them together as one unit, and only then tells each partition how its
 //! batch ended, answers its callers and hands its frames to its tier's delivery task.
 
-use super::partition::Sealed;
+use super::partition::{Outcome, Sealed};
 use super::router::Router;
 use super::{
     BatchCounts, Delivery, PipelineError, PipelineStats, ReplyTo, answer_all_unavailable,
@@ -13,7 +13,6 @@ use super::{
 use pigeon_core::changes::{Changes, Event};
 use pigeon_core::handoff::FanOut;
 use pigeon_core::node::NodeShared;
-use pigeon_core::routing::Tier;
 use pigeon_core::store::{Needs, Store};
 use pigeon_core::user_stage::UserStage;
 use pigeon_proto::{ConversationId, UserId};
@@ -27,26 +26,20 @@ pub(super) struct Committer {
     pub shared: Arc<NodeShared>,
     /// Told of groups that grew into another tier.
     pub router: Weak<Router>,
-    /// One delivery task per tier, by [`Tier::index`].
-    pub delivery: Vec<mpsc::Sender<Delivery>>,
     pub stats: Arc<PipelineStats>,
     /// Above this many inbox heads the user stage forgets them between commits.
     pub max_heads: usize,
 }
 
 /// A command's answer-to-be, with its result.
-type Reply = (
-    ReplyTo,
-    Result<pigeon_core::command::Reply, pigeon_core::DomainError>,
-);
+type Reply = (ReplyTo, Result<pigeon_core::command::Reply, PipelineError>);
 
 /// One partition's batch once its rows are in the unit being committed.
 struct Part {
-    tier: Tier,
     events: Vec<Event>,
     replies: Vec<Reply>,
     started: Instant,
-    outcome: tokio::sync::oneshot::Sender<bool>,
+    outcome: tokio::sync::oneshot::Sender<Outcome>,
 }
 
 impl Committer {
@@ -95,7 +88,6 @@ impl Committer {
                 commands += b.replies.len();
                 changes.append(rows);
                 parts.push(Part {
-                    tier: b.tier,
                     events,
                     replies: b.replies,
                     started: b.started,
@@ -121,7 +113,7 @@ impl Committer {
                 users.clear();
                 stale = true;
                 for p in parts {
-                    let _ = p.outcome.send(false);
+                    let _ = p.outcome.send(Outcome::Refused);
                     answer_all_unavailable(p.replies.into_iter().map(|(r, _)| r));
                 }
                 continue;
@@ -143,15 +135,12 @@ impl Committer {
                 }
             }
             for p in parts {
-                let _ = p.outcome.send(true);
                 // From the batch's first decision to its durable commit: what its first
                 // command waited.
                 metrics::histogram!("pigeon_batch_seconds")
                     .record(p.started.elapsed().as_secs_f64());
-                if !self.deliver(p.tier, p.events, p.replies).await {
-                    tracing::error!("a delivery task is gone");
-                    return;
-                }
+                let frames = answer_callers(p.events, p.replies);
+                let _ = p.outcome.send(Outcome::Committed(frames));
             }
         }
     }
@@ -182,37 +171,42 @@ impl Committer {
             users: lacking,
             ..Needs::default()
         };
-        let loaded = self.store.load(needs.clone()).await?;
-        users.absorb_heads(loaded.inbox_heads, &needs.users);
+        let mut loaded = self.store.load(needs.clone()).await?;
+        // Heads only of registered users (the store answers one for every user asked about):
+        // an ack naming a made-up user must not grow the map nor save a position.
+        let registered: HashSet<UserId> = needs
+            .users
+            .into_iter()
+            .filter(|u| loaded.users.contains(u) || self.shared.is_registered(*u))
+            .collect();
+        loaded.inbox_heads.retain(|u, _| registered.contains(u));
+        users.absorb_heads(loaded.inbox_heads, &registered);
         Ok(())
     }
+}
 
-    /// Hands a committed batch's answers and events to its tier's delivery task (callers
-    /// are answered here). False when the task is gone.
-    async fn deliver(&self, tier: Tier, events: Vec<Event>, replies: Vec<Reply>) -> bool {
-        let mut d = Delivery {
-            events,
-            ..Delivery::default()
-        };
-        for (reply, result) in replies {
-            match reply {
-                ReplyTo::Caller(tx) => {
-                    let _ = tx.send(result.map_err(PipelineError::from));
-                }
-                ReplyTo::Connection(reply) => {
-                    let (to, req) = reply.take();
-                    if let Some(frame) = connection_reply(req, result) {
-                        d.replies.push((to, frame));
-                    }
-                }
-                ReplyTo::AfterDelivery(tx) => {
-                    d.after.push((tx, result.map_err(PipelineError::from)))
-                }
-                ReplyTo::Nobody => {}
+/// Answers a committed batch's callers, and gathers what its tier's delivery task sends.
+fn answer_callers(events: Vec<Event>, replies: Vec<Reply>) -> Delivery {
+    let mut d = Delivery {
+        events,
+        ..Delivery::default()
+    };
+    for (reply, result) in replies {
+        match reply {
+            ReplyTo::Caller(tx) => {
+                let _ = tx.send(result);
             }
+            ReplyTo::Connection(reply) => {
+                let (to, req) = reply.take();
+                if let Some(frame) = connection_reply(req, result) {
+                    d.replies.push((to, frame));
+                }
+            }
+            ReplyTo::AfterDelivery(tx) => d.after.push((tx, result)),
+            ReplyTo::Nobody => {}
         }
-        d.is_empty() || self.delivery[tier.index()].send(d).await.is_ok()
     }
+    d
 }
 
 /// Runs the user stage over one batch's messages: their inbox rows go into `rows`, and each
@@ -243,7 +237,7 @@ fn into_inboxes(
 
 fn refuse_all(batches: Vec<Sealed>) {
     for b in batches {
-        let _ = b.outcome.send(false);
+        let _ = b.outcome.send(Outcome::Refused);
         answer_all_unavailable(b.replies.into_iter().map(|(r, _)| r));
     }
 }

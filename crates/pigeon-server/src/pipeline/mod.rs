@@ -37,8 +37,9 @@ pub use pigeon_core::routing::Tier;
 pub const MAX_BATCH: usize = 1024;
 /// Most members of write fan-out messages one partition's batch hands the user stage (its
 /// inbox rows): past it the batch takes no more commands, so that a batch of sends into
-/// large groups stays a few milliseconds of commit.
-pub const MAX_BATCH_FANOUT: usize = 16_384;
+/// large groups stays about a millisecond of commit beside the single chats committed with
+/// it.
+pub const MAX_BATCH_FANOUT: usize = 4096;
 /// Commands decided together while the partition's last batch commits (one load each time).
 pub const DECIDE_CHUNK: usize = 64;
 /// Commands waiting for one partition before senders are told `unavailable`.
@@ -156,9 +157,10 @@ impl RouteSet {
         self.0 == 0
     }
 
-    /// These but `route`'s partition.
-    fn without(self, index: usize) -> RouteSet {
-        RouteSet(self.0 & !(1u64 << index))
+    /// Whether any of these is not `route` (`None`: any at all).
+    pub fn other_than(self, route: Option<Route>) -> bool {
+        let this = route.map_or(0, |r| 1u64 << r.0);
+        self.0 & !this != 0
     }
 
     fn routes(self) -> impl Iterator<Item = usize> {
@@ -299,6 +301,7 @@ impl Pipeline {
                 let worker = partition::Partition {
                     index,
                     tier,
+                    delivery: delivery[tier.index()].clone(),
                     store: store.clone(),
                     stage,
                     claims: claims.clone(),
@@ -322,7 +325,6 @@ impl Pipeline {
             store,
             shared,
             router: Arc::downgrade(&router),
-            delivery,
             stats: stats.clone(),
             max_heads: cfg.max_cached_conversations,
         };
@@ -357,31 +359,23 @@ impl Pipeline {
     /// (or while its conversation moves to another tier). Answers where it went.
     pub async fn submit(&self, cmd: Command, reply: ReplyTo) -> Result<Route, PipelineError> {
         self.router
-            .submit(Envelope { cmd, reply }, None)
+            .submit(Envelope { cmd, reply })
             .await
             .map(|index| Route(index as u8))
     }
 
-    /// [`Pipeline::submit`] for one of a connection's commands that must be handled after
-    /// its earlier ones, which went to the partitions of `sent` (PROTOCOL.md 4: a
-    /// connection's frames are handled in the order they arrive): those on other partitions
-    /// are committed and delivered first. `sent` is left holding where this one went.
-    pub async fn submit_in_order(
-        &self,
-        cmd: Command,
-        reply: ReplyTo,
-        sent: &mut RouteSet,
-    ) -> Result<Route, PipelineError> {
+    /// The partition `conversation`'s commands go to now; `None` when that takes a look-up
+    /// (a group not seen since start) or the group is moving to another tier.
+    pub fn route_of(&self, conversation: &pigeon_proto::ConversationId) -> Option<Route> {
         self.router
-            .submit(Envelope { cmd, reply }, Some(sent))
-            .await
+            .known_index(conversation)
             .map(|index| Route(index as u8))
     }
 }
 
 /// What a delivery task sends after a commit, in order.
 #[derive(Default)]
-struct Delivery {
+pub(super) struct Delivery {
     replies: Vec<(ConnectionAddr, String)>,
     events: Vec<Event>,
     /// Answered once the replies and events before them are queued.
@@ -425,11 +419,11 @@ fn answer_all_unavailable(replies: impl IntoIterator<Item = ReplyTo>) {
 
 /// The frame a connection gets for a command it sent: `send_ack` or an error; for a command
 /// whose success has no frame of its own (`read`), `ok` when it carried a `req`.
-fn connection_reply(req: Option<i64>, result: Result<Reply, DomainError>) -> Option<String> {
+fn connection_reply(req: Option<i64>, result: Result<Reply, PipelineError>) -> Option<String> {
     match result {
         Ok(Reply::SendAck(ack)) => Some(ServerFrame::SendAck { req, ack }.to_json()),
         Ok(_) => req.map(|req| ServerFrame::Ok { req }.to_json()),
-        Err(e) => Some(error_frame(req, &PipelineError::Domain(e))),
+        Err(e) => Some(error_frame(req, &e)),
     }
 }
 

@@ -7,13 +7,12 @@
 
 use super::claims::{Key, KeyClaims};
 use super::{
-    DECIDE_CHUNK, DecisionClock, Envelope, MAX_BATCH, MAX_BATCH_FANOUT, ReplyTo,
-    answer_all_unavailable,
+    DECIDE_CHUNK, DecisionClock, Delivery, Envelope, MAX_BATCH, MAX_BATCH_FANOUT, PipelineError,
+    ReplyTo, answer_all_unavailable,
 };
 use pigeon_core::changes::{Changes, Event};
 use pigeon_core::command::{Command, CursorChain, Reply};
 use pigeon_core::conversation_stage::ConversationStage;
-use pigeon_core::error::DomainError;
 use pigeon_core::handoff::FanOut;
 use pigeon_core::routing::Tier;
 use pigeon_core::state::ConversationState;
@@ -40,7 +39,6 @@ pub(super) enum Work {
 
 /// A batch a partition decided, on its way to the committer.
 pub(super) struct Sealed {
-    pub tier: Tier,
     pub changes: Changes,
     pub events: Vec<Event>,
     /// The messages the batch appended, each with the length `events` had when it was
@@ -49,15 +47,26 @@ pub(super) struct Sealed {
     pub handoffs: Vec<(usize, FanOut)>,
     /// Devices' acknowledged inbox positions, for the user stage to clamp to the heads.
     pub inbox_cursors: Vec<(UserId, DeviceId, u64)>,
-    pub replies: Vec<(ReplyTo, Result<Reply, DomainError>)>,
+    pub replies: Vec<(ReplyTo, Result<Reply, PipelineError>)>,
     pub started: Instant,
-    /// Whether the batch committed.
-    pub outcome: oneshot::Sender<bool>,
+    /// How the batch ended.
+    pub outcome: oneshot::Sender<Outcome>,
+}
+
+/// What the committer tells a partition of its batch.
+pub(super) enum Outcome {
+    /// Durable: its frames, for the partition's tier's delivery task (sent by the
+    /// partition, so a tier whose delivery lags holds up its own partitions only).
+    Committed(Delivery),
+    /// Refused, and every command in it answered `unavailable`.
+    Refused,
 }
 
 pub(super) struct Partition {
     pub index: usize,
     pub tier: Tier,
+    /// The delivery task of this partition's tier.
+    pub delivery: mpsc::Sender<Delivery>,
     pub store: Arc<dyn Store>,
     pub stage: ConversationStage,
     pub claims: Arc<KeyClaims>,
@@ -73,7 +82,7 @@ struct OpenBatch {
     events: Vec<Event>,
     handoffs: Vec<(usize, FanOut)>,
     inbox_cursors: Vec<(UserId, DeviceId, u64)>,
-    replies: Vec<(ReplyTo, Result<Reply, DomainError>)>,
+    replies: Vec<(ReplyTo, Result<Reply, PipelineError>)>,
     /// The idempotency keys its sends claimed.
     claimed: Vec<Key>,
     /// Members of its write fan-out messages (the inbox rows it will write).
@@ -91,7 +100,7 @@ impl OpenBatch {
 struct InFlight {
     batch: u64,
     claimed: Vec<Key>,
-    outcome: oneshot::Receiver<bool>,
+    outcome: oneshot::Receiver<Outcome>,
 }
 
 impl Partition {
@@ -141,6 +150,10 @@ impl Partition {
             let taking = !closed && !evicting && releasing.is_none() && room > 0;
             if taking {
                 self.take_ready(&mut queue, room, &mut arrived, &mut releasing, &mut stale);
+                if releasing.is_some() {
+                    // A release just taken stops the taking until it is done (above).
+                    continue;
+                }
             }
             // Each decision costs a load from the store, so commands are decided at once only
             // when nothing is committing (the batch then goes right away); while the last
@@ -163,8 +176,14 @@ impl Partition {
                     if in_flight.is_some() => {
                     let done = in_flight.take().expect("in flight");
                     self.claims.release(done.claimed);
-                    if committed.unwrap_or(false) {
+                    if let Ok(Outcome::Committed(frames)) = committed {
                         self.stage.committed(done.batch);
+                        if !frames.is_empty() && self.delivery.send(frames).await.is_err() {
+                            tracing::error!("a delivery task is gone");
+                            self.refuse(&mut open);
+                            answer_all_unavailable(arrived.drain(..).map(|e| e.reply));
+                            return;
+                        }
                     } else {
                         // The open batch was decided on top of the failed one.
                         self.stage.reset();
@@ -182,10 +201,11 @@ impl Partition {
                         return;
                     };
                     let mut b = std::mem::take(&mut open);
+                    metrics::histogram!("pigeon_partition_batch_size", "tier" => self.tier.name())
+                        .record(b.replies.len() as f64);
                     let batch = self.stage.seal(&mut b.changes);
                     let (outcome, outcome_rx) = oneshot::channel();
                     permit.send(Sealed {
-                        tier: self.tier,
                         changes: b.changes,
                         events: b.events,
                         handoffs: b.handoffs,
@@ -265,7 +285,9 @@ impl Partition {
             if let Command::Send(s) = &e.cmd {
                 let key = (s.sender, s.client_msg_id.clone());
                 if !self.claims.claim(&key, self.index) {
-                    answer_all_unavailable([e.reply]);
+                    // Answered in its place among the batch's answers.
+                    open.replies
+                        .push((e.reply, Err(PipelineError::Unavailable)));
                     continue;
                 }
                 claimed.push(key);
@@ -277,7 +299,12 @@ impl Partition {
         if let Err(e) = load(&*self.store, &mut self.stage, stale, &cmds).await {
             tracing::error!(error = %e, commands = cmds.len(), "loading state failed; commands refused");
             self.claims.release(claimed);
-            answer_all_unavailable(replies);
+            // Answered in their places among the batch's answers.
+            open.replies.extend(
+                replies
+                    .into_iter()
+                    .map(|r| (r, Err(PipelineError::Unavailable))),
+            );
             return;
         }
         open.claimed.extend(claimed);
@@ -306,7 +333,8 @@ impl Partition {
                 }
                 open.handoffs.push((open.events.len(), f));
             }
-            open.replies.push((reply, result));
+            open.replies
+                .push((reply, result.map_err(PipelineError::from)));
         }
     }
 }

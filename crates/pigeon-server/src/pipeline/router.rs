@@ -9,10 +9,6 @@
 
 use super::partition::Work;
 use super::{Envelope, PipelineError, ReplyTo, RouteSet, now_ms};
-use std::time::Duration;
-
-/// The longest one connection's command waits for its earlier ones on other partitions.
-pub const ORDER_WAIT: Duration = Duration::from_secs(10);
 use pigeon_core::command::{Command, CursorChain, SendTo};
 use pigeon_core::node::NodeShared;
 use pigeon_core::routing::{Tier, partition_of, partition_of_user};
@@ -22,6 +18,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::{mpsc, oneshot, watch};
+
+/// Most groups remembered as not found.
+const MAX_ABSENT: usize = 100_000;
 
 pub(super) struct Router {
     /// Every partition, tier after tier: partition `p` of tier `t` is at
@@ -33,6 +32,9 @@ pub(super) struct Router {
     /// The tier of each group seen since start (its size when it was first routed, or when it
     /// last moved). A group not in it does not exist, as far as this node has seen.
     groups: RwLock<HashMap<ConversationId, Tier>>,
+    /// Groups looked up and not found (bounded: cleared when full). A group is made only
+    /// here, with a new id, which leaves this set.
+    absent: Mutex<std::collections::HashSet<ConversationId>>,
     /// Groups moving to another tier, each with what its commands wait for.
     moves: Mutex<HashMap<ConversationId, watch::Receiver<bool>>>,
     moving: AtomicUsize,
@@ -96,6 +98,7 @@ impl Router {
             shared,
             store,
             groups: RwLock::default(),
+            absent: Mutex::default(),
             moves: Mutex::default(),
             moving: AtomicUsize::new(0),
             handover: RwLock::default(),
@@ -111,6 +114,16 @@ impl Router {
         self.index(tier, partition_of(c, self.per_tier))
     }
 
+    /// The partition `c`'s commands go to now, when that is known without a look-up.
+    pub(super) fn known_index(&self, c: &ConversationId) -> Option<usize> {
+        let tier = if c.is_group() {
+            self.known_tier(c)?
+        } else {
+            Tier::Single
+        };
+        self.move_of(c).is_none().then(|| self.index_of(c, tier))
+    }
+
     /// The tier a conversation's commands go to now: a single chat's is fixed; a group's is
     /// the one it was seen in; a group never seen is looked up (once the tables hold every
     /// acknowledged batch, so that a group created just before a restart is found); one
@@ -121,6 +134,9 @@ impl Router {
         }
         if let Some(tier) = self.known_tier(c) {
             return Ok(tier);
+        }
+        if self.absent.lock().expect("absent lock").contains(c) {
+            return Ok(Tier::Small);
         }
         let unavailable = |e: pigeon_core::StoreError| {
             tracing::error!(error = %e, "looking up a group's size failed");
@@ -139,7 +155,14 @@ impl Router {
                 .expect("groups lock")
                 .entry(c.clone())
                 .or_insert(Tier::of_group(state.members.len() as u64)),
-            _ => Tier::Small,
+            _ => {
+                let mut absent = self.absent.lock().expect("absent lock");
+                if absent.len() >= MAX_ABSENT {
+                    absent.clear();
+                }
+                absent.insert(c.clone());
+                Tier::Small
+            }
         })
     }
 
@@ -163,15 +186,8 @@ impl Router {
         self.move_of(c).is_none() && self.known_tier(c).unwrap_or(Tier::Small) == tier
     }
 
-    /// Queues `env` on its partition; answers the partition's index. With `after`, the
-    /// partitions one connection's earlier commands went to: those on other partitions are
-    /// committed and delivered first (at most [`ORDER_WAIT`]), so the connection's frames
-    /// are handled in the order they came whichever partitions own them.
-    pub(super) async fn submit(
-        &self,
-        mut env: Envelope,
-        mut after: Option<&mut RouteSet>,
-    ) -> Result<usize, PipelineError> {
+    /// Queues `env` on its partition; answers the partition's index.
+    pub(super) async fn submit(&self, mut env: Envelope) -> Result<usize, PipelineError> {
         let owner = match owner(&env.cmd) {
             Owner::Message(m) => match self.conversation_of(m).await {
                 Ok(Some(c)) => Owner::Conversation(c),
@@ -186,6 +202,7 @@ impl Router {
                 if let Command::CreateGroup { id: chosen, .. } = &mut env.cmd {
                     *chosen = Some(id.clone());
                 }
+                self.absent.lock().expect("absent lock").remove(&id);
                 self.groups
                     .write()
                     .expect("groups lock")
@@ -198,7 +215,11 @@ impl Router {
             let (index, tier) = match &owner {
                 Owner::Conversation(c) => {
                     if let Some(mut moved) = self.move_of(c) {
-                        let _ = moved.wait_for(|done| *done).await;
+                        if moved.wait_for(|done| *done).await.is_err() {
+                            // The move stopped on a panic.
+                            env.reply.disarm();
+                            return Err(PipelineError::Unavailable);
+                        }
                         continue;
                     }
                     let tier = match self.tier_of(c).await {
@@ -216,18 +237,6 @@ impl Router {
                 ),
                 Owner::Any | Owner::Message(_) | Owner::NewGroup(_) => (0, None),
             };
-            if let Some(sent) = after.as_deref_mut() {
-                let others = sent.without(index);
-                if !others.is_empty() {
-                    let waited = tokio::time::timeout(ORDER_WAIT, self.flush(others)).await;
-                    if !matches!(waited, Ok(Ok(()))) {
-                        tracing::warn!(
-                            "a connection's earlier commands took over {ORDER_WAIT:?}; its next goes without them"
-                        );
-                    }
-                    *sent = RouteSet::default();
-                }
-            }
             let Ok(permit) = self.queues[index].reserve().await else {
                 // The caller answers this error: the reply must not answer too.
                 env.reply.disarm();
@@ -240,9 +249,6 @@ impl Router {
             };
             if settled {
                 permit.send(Work::Command(env));
-                if let Some(sent) = after {
-                    sent.add(super::Route(index as u8));
-                }
                 return Ok(index);
             }
             // It began to move meanwhile: routed again once it has.
@@ -339,7 +345,15 @@ impl Router {
                 reply,
             });
         }
-        let state = state.await.ok().flatten();
+        let Ok(state) = state.await else {
+            // The old partition is gone (it stopped on a panic) with a batch of this group
+            // perhaps still on its way to the store: no other partition may take it over.
+            // Its commands go on to the old one, which answers none of them.
+            let _alone = self.handover.write().expect("handover lock");
+            self.moving.fetch_sub(1, Ordering::AcqRel);
+            tracing::error!(conversation = %c, "a group could not move: its partition is gone");
+            return;
+        };
         // Its frames delivered before the new partition's can follow them.
         if let Ok(delivered) = self.barrier(old).await {
             let _ = delivered.await;

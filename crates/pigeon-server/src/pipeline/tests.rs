@@ -75,64 +75,103 @@ async fn register(pipeline: &Pipeline, users: impl IntoIterator<Item = u64>) {
     }
 }
 
-/// A store whose tables never catch up with what it acknowledged: `caught_up` never
-/// returns; everything else is the real store's.
-struct TablesNeverCatchUp(Arc<dyn Store>);
+/// The real store, rigged: its tables may never catch up with what it acknowledged
+/// (`caught_up` never returns), and the loads that ask for one message may be held until
+/// let go.
+struct Rigged {
+    inner: Arc<dyn Store>,
+    never_caught_up: bool,
+    held: std::sync::Mutex<Option<pigeon_proto::MsgId>>,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Rigged {
+    fn tables_never_catch_up(inner: Arc<dyn Store>) -> Self {
+        Rigged::holding(inner, true).0
+    }
+
+    /// A store whose loads of the message [`Rigged::hold`] names wait until the switch
+    /// answered is set.
+    fn holding(
+        inner: Arc<dyn Store>,
+        never_caught_up: bool,
+    ) -> (Self, tokio::sync::watch::Sender<bool>) {
+        let (switch, open) = tokio::sync::watch::channel(false);
+        let rigged = Rigged {
+            inner,
+            never_caught_up,
+            held: std::sync::Mutex::new(None),
+            open,
+        };
+        (rigged, switch)
+    }
+
+    fn hold(&self, message: pigeon_proto::MsgId) {
+        *self.held.lock().unwrap() = Some(message);
+    }
+}
 
 #[async_trait::async_trait]
-impl Store for TablesNeverCatchUp {
+impl Store for Rigged {
     async fn load(
         &self,
         needs: pigeon_core::store::Needs,
     ) -> Result<pigeon_core::store::Loaded, pigeon_core::StoreError> {
-        self.0.load(needs).await
+        let held = *self.held.lock().unwrap();
+        if held.is_some_and(|m| needs.messages.contains(&m)) {
+            let _ = self.open.clone().wait_for(|open| *open).await;
+        }
+        self.inner.load(needs).await
     }
     async fn caught_up(&self) -> Result<(), pigeon_core::StoreError> {
-        std::future::pending().await
+        if self.never_caught_up {
+            std::future::pending::<()>().await;
+        }
+        self.inner.caught_up().await
     }
     async fn commit(&self, changes: Changes) -> Result<(), pigeon_core::StoreError> {
-        self.0.commit(changes).await
+        self.inner.commit(changes).await
     }
     async fn close(&self) {
-        self.0.close().await
+        self.inner.close().await
     }
     async fn max_msg_id(&self) -> Result<u64, pigeon_core::StoreError> {
-        self.0.max_msg_id().await
+        self.inner.max_msg_id().await
     }
     async fn idempotency_key_count(&self) -> Result<u64, pigeon_core::StoreError> {
-        self.0.idempotency_key_count().await
+        self.inner.idempotency_key_count().await
     }
     async fn idempotency_keys(
         &self,
         after: Option<pigeon_core::store::KeyCursor>,
         limit: usize,
     ) -> Result<pigeon_core::store::KeyPage, pigeon_core::StoreError> {
-        self.0.idempotency_keys(after, limit).await
+        self.inner.idempotency_keys(after, limit).await
     }
     async fn meta_get(&self, key: &str) -> Result<Option<String>, pigeon_core::StoreError> {
-        self.0.meta_get(key).await
+        self.inner.meta_get(key).await
     }
     async fn meta_set(&self, key: &str, value: &str) -> Result<(), pigeon_core::StoreError> {
-        self.0.meta_set(key, value).await
+        self.inner.meta_set(key, value).await
     }
     async fn user(
         &self,
         user: UserId,
     ) -> Result<Option<pigeon_core::store::UserRecord>, pigeon_core::StoreError> {
-        self.0.user(user).await
+        self.inner.user(user).await
     }
     async fn membership(
         &self,
         conv: &ConversationId,
         user: UserId,
     ) -> Result<Option<pigeon_core::store::Membership>, pigeon_core::StoreError> {
-        self.0.membership(conv, user).await
+        self.inner.membership(conv, user).await
     }
     async fn conversation_exists(
         &self,
         conv: &ConversationId,
     ) -> Result<bool, pigeon_core::StoreError> {
-        self.0.conversation_exists(conv).await
+        self.inner.conversation_exists(conv).await
     }
     async fn history(
         &self,
@@ -141,7 +180,7 @@ impl Store for TablesNeverCatchUp {
         range: (u64, u64),
         query: pigeon_core::store::HistoryQuery,
     ) -> Result<(Vec<pigeon_proto::Message>, bool), pigeon_core::StoreError> {
-        self.0.history(conv, reader, range, query).await
+        self.inner.history(conv, reader, range, query).await
     }
     async fn conversations(
         &self,
@@ -151,7 +190,7 @@ impl Store for TablesNeverCatchUp {
         limit: u32,
         include_hidden: bool,
     ) -> Result<Vec<pigeon_proto::views::ConversationView>, pigeon_core::StoreError> {
-        self.0
+        self.inner
             .conversations(user, only, after, limit, include_hidden)
             .await
     }
@@ -161,29 +200,29 @@ impl Store for TablesNeverCatchUp {
         after: Option<UserId>,
         limit: u32,
     ) -> Result<Vec<pigeon_proto::views::MemberView>, pigeon_core::StoreError> {
-        self.0.members(conv, after, limit).await
+        self.inner.members(conv, after, limit).await
     }
     async fn message(
         &self,
         msg_id: pigeon_proto::MsgId,
     ) -> Result<Option<pigeon_core::store::AuditedMessage>, pigeon_core::StoreError> {
-        self.0.message(msg_id).await
+        self.inner.message(msg_id).await
     }
     async fn versions(
         &self,
         msg_id: pigeon_proto::MsgId,
     ) -> Result<Vec<pigeon_proto::views::VersionView>, pigeon_core::StoreError> {
-        self.0.versions(msg_id).await
+        self.inner.versions(msg_id).await
     }
     async fn is_hidden_for(
         &self,
         user: UserId,
         msg_id: pigeon_proto::MsgId,
     ) -> Result<bool, pigeon_core::StoreError> {
-        self.0.is_hidden_for(user, msg_id).await
+        self.inner.is_hidden_for(user, msg_id).await
     }
     async fn inbox_head(&self, user: UserId) -> Result<u64, pigeon_core::StoreError> {
-        self.0.inbox_head(user).await
+        self.inner.inbox_head(user).await
     }
     async fn pull_inbox(
         &self,
@@ -192,7 +231,7 @@ impl Store for TablesNeverCatchUp {
         to: u64,
         limit: u32,
     ) -> Result<(Vec<pigeon_proto::views::ChainItem>, bool), pigeon_core::StoreError> {
-        self.0.pull_inbox(user, from, to, limit).await
+        self.inner.pull_inbox(user, from, to, limit).await
     }
     async fn cursor(
         &self,
@@ -200,7 +239,7 @@ impl Store for TablesNeverCatchUp {
         device: &str,
         chain: &str,
     ) -> Result<u64, pigeon_core::StoreError> {
-        self.0.cursor(user, device, chain).await
+        self.inner.cursor(user, device, chain).await
     }
     async fn read_fanout_changes(
         &self,
@@ -208,20 +247,20 @@ impl Store for TablesNeverCatchUp {
         device: &str,
         given: &HashMap<String, u64>,
     ) -> Result<Vec<pigeon_proto::frames::SyncConversation>, pigeon_core::StoreError> {
-        self.0.read_fanout_changes(user, device, given).await
+        self.inner.read_fanout_changes(user, device, given).await
     }
     async fn unread(
         &self,
         user: UserId,
     ) -> Result<Vec<(ConversationId, u64, bool)>, pigeon_core::StoreError> {
-        self.0.unread(user).await
+        self.inner.unread(user).await
     }
     async fn receipts(
         &self,
         conv: &ConversationId,
         seq: u64,
     ) -> Result<(Vec<UserId>, Vec<UserId>), pigeon_core::StoreError> {
-        self.0.receipts(conv, seq).await
+        self.inner.receipts(conv, seq).await
     }
 }
 
@@ -235,7 +274,7 @@ async fn a_resend_is_found_a_duplicate_without_waiting_for_the_tables() {
     let (store, registering, dir) = pipeline_over_store("no-catch-up", 1000).await;
     drop(registering);
     store.caught_up().await.unwrap();
-    let store: Arc<dyn Store> = Arc::new(TablesNeverCatchUp(store));
+    let store: Arc<dyn Store> = Arc::new(Rigged::tables_never_catch_up(store));
     let (pipeline, _task) = start(store, Default::default(), fresh_shared(0), 2);
     let within = |f| tokio::time::timeout(Duration::from_secs(10), f);
     let first = within(send(&pipeline, 1, 2, "k-1"))
@@ -519,4 +558,222 @@ async fn a_send_after_the_clock_went_back_is_not_stamped_before_the_newest_messa
     assert!(second.created_at >= first.created_at);
     assert!(first.msg_id.get() > floor);
     assert!(second.msg_id.get() > first.msg_id.get());
+}
+
+/// The tier a route's partition belongs to (the tests' pipelines have two partitions a tier).
+fn tier_of(route: Route) -> Tier {
+    Tier::ALL[route.0 as usize / 2]
+}
+
+async fn create_group(
+    pipeline: &Pipeline,
+    owner: u64,
+    members: impl Iterator<Item = u64>,
+) -> ConversationId {
+    let reply = pipeline
+        .call(Command::CreateGroup {
+            id: None,
+            owner: user(owner),
+            name: "g".into(),
+            members: members.map(user).collect(),
+        })
+        .await
+        .unwrap();
+    let Reply::Conversation(group) = reply else {
+        panic!("not a conversation: {reply:?}");
+    };
+    group
+}
+
+/// Every message of `conv` as `reader` sees it, by seq.
+async fn stored(
+    store: &dyn Store,
+    conv: &ConversationId,
+    reader: u64,
+) -> Vec<pigeon_proto::Message> {
+    let query = pigeon_core::store::HistoryQuery {
+        anchor: pigeon_core::store::HistoryAnchor::After(0),
+        limit: 1000,
+        from_time: None,
+        to_time: None,
+    };
+    store
+        .history(conv, user(reader), (1, u64::MAX >> 1), query)
+        .await
+        .unwrap()
+        .0
+}
+
+/// A group that grows past its tier's bound moves to its partition of the next tier while
+/// sends into it go on: each send is acknowledged once, its seqs stay contiguous, and its
+/// commands go to the new tier once the move is done.
+#[tokio::test]
+async fn a_group_that_grows_into_another_tier_moves_with_its_seqs() {
+    let (store, pipeline, _dir) =
+        pipeline_with("move", Default::default(), fresh_shared(0), 130).await;
+    let group = create_group(&pipeline, 1, 2..=60).await;
+    let (tx, rx) = oneshot::channel();
+    let cmd = text_send(user(1), SendTo::Conversation(group.clone()), "before");
+    let route = pipeline.submit(cmd, ReplyTo::Caller(tx)).await.unwrap();
+    assert_eq!(tier_of(route), Tier::Small);
+    let mut acks = vec![rx.await.unwrap().unwrap()];
+    let sends = futures_util::future::join_all((0..40u64).map(|i| {
+        pipeline.call(text_send(
+            user(1 + i % 5),
+            SendTo::Conversation(group.clone()),
+            &format!("s{i}"),
+        ))
+    }));
+    let invite = pipeline.call(Command::Invite {
+        actor: user(1),
+        conversation: group.clone(),
+        users: (61..=130).map(user).collect(),
+    });
+    let (sent, invited) = tokio::join!(sends, invite);
+    invited.unwrap();
+    acks.extend(sent.into_iter().map(|r| r.unwrap()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for i in 0.. {
+        let (tx, rx) = oneshot::channel();
+        let cmd = text_send(
+            user(1),
+            SendTo::Conversation(group.clone()),
+            &format!("after{i}"),
+        );
+        let route = pipeline.submit(cmd, ReplyTo::Caller(tx)).await.unwrap();
+        acks.push(rx.await.unwrap().unwrap());
+        if tier_of(route) == Tier::Medium {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the group never moved");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    pipeline.flush().await.unwrap();
+    let messages = stored(&*store, &group, 1).await;
+    let seqs: Vec<u64> = messages.iter().map(|m| m.seq).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    let ids: std::collections::HashSet<_> = messages.iter().map(|m| m.msg_id).collect();
+    for ack in acks {
+        let Reply::SendAck(ack) = ack else {
+            panic!("not an ack: {ack:?}");
+        };
+        assert!(!ack.duplicate);
+        assert!(ids.contains(&ack.msg_id), "{ack:?}");
+        assert_eq!(messages[ack.seq as usize - 1].msg_id, ack.msg_id);
+    }
+    store.close().await;
+}
+
+/// One idempotency key sent at once into two single chats that different partitions own
+/// makes one message: the other send is its duplicate, or is told to retry, and its retry
+/// finds the one message.
+#[tokio::test]
+async fn one_key_sent_into_two_partitions_at_once_makes_one_message() {
+    let (store, pipeline, _dir) = pipeline_over_store("claims", 1000).await;
+    let chat = |peer: u64| ConversationId::single(user(1), user(peer)).unwrap();
+    let slot = |peer: u64| pigeon_core::routing::partition_of(&chat(peer), 2);
+    let a = 2;
+    let b = (3..=12)
+        .find(|p| slot(*p) != slot(a))
+        .expect("a peer in the other partition");
+    for round in 0..20 {
+        let key = format!("k{round}");
+        let (x, y) = tokio::join!(
+            pipeline.call(text_send(user(1), SendTo::User(user(a)), &key)),
+            pipeline.call(text_send(user(1), SendTo::User(user(b)), &key)),
+        );
+        let acks: Vec<SendAck> = [x, y]
+            .into_iter()
+            .filter_map(|r| match r {
+                Ok(Reply::SendAck(ack)) => Some(ack),
+                Err(PipelineError::Unavailable) => None,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(!acks.is_empty(), "one of the two goes");
+        assert!(
+            acks.iter().all(|ack| ack.msg_id == acks[0].msg_id),
+            "{acks:?}"
+        );
+        let again = send(&pipeline, 1, b, &key).await;
+        assert!(again.duplicate);
+        assert_eq!(again.msg_id, acks[0].msg_id);
+    }
+    pipeline.flush().await.unwrap();
+    let (in_a, in_b) = (
+        stored(&*store, &chat(a), 1).await,
+        stored(&*store, &chat(b), 1).await,
+    );
+    assert_eq!(in_a.len() + in_b.len(), 20, "one message a key");
+    store.close().await;
+}
+
+/// A registration, once acknowledged, is usable at once through every partition, before
+/// the tables hold it (the applier writes them up to 250 ms later).
+#[tokio::test]
+async fn a_registration_is_usable_through_every_partition_once_acknowledged() {
+    let (store, pipeline, _dir) = pipeline_over_store("registered", 1000).await;
+    for n in 100..120 {
+        register(&pipeline, [n]).await;
+        // A chat with a user new to every partition: whichever owns it knows the user.
+        let ack = send(&pipeline, 1, n, &format!("hi{n}")).await;
+        assert_eq!(ack.seq, 1);
+        let group = create_group(&pipeline, n, [1, 2].into_iter()).await;
+        assert!(group.is_group());
+    }
+    store.close().await;
+}
+
+/// A partition held up by its store (here a recall's load of its message) holds up no other:
+/// single chats go on being decided, committed and answered meanwhile.
+#[tokio::test]
+async fn a_partition_held_on_its_store_holds_no_other() {
+    let (real, _dir) = temp_store("held");
+    let (rigged, switch) = Rigged::holding(real, false);
+    let rigged = Arc::new(rigged);
+    let store: Arc<dyn Store> = rigged.clone();
+    let (pipeline, _task) = start(store.clone(), Default::default(), fresh_shared(0), 2);
+    register(&pipeline, 1..=12).await;
+    let group = create_group(&pipeline, 1, 2..=5).await;
+    let Reply::SendAck(sent) = pipeline
+        .call(text_send(
+            user(1),
+            SendTo::Conversation(group.clone()),
+            "held",
+        ))
+        .await
+        .unwrap()
+    else {
+        panic!("not an ack");
+    };
+    rigged.hold(sent.msg_id);
+    let recall = tokio::spawn({
+        let pipeline = pipeline.clone();
+        async move {
+            pipeline
+                .call(Command::Recall {
+                    actor: user(1),
+                    msg_id: sent.msg_id,
+                })
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!recall.is_finished(), "the recall's partition is held");
+    for i in 0..10u64 {
+        let key = format!("c{i}");
+        let within = tokio::time::timeout(
+            Duration::from_secs(5),
+            send(&pipeline, 7 + i % 2, 8 - i % 2, &key),
+        );
+        within.await.expect("single chats are not held");
+    }
+    assert!(!recall.is_finished());
+    switch.send(true).unwrap();
+    let recalled = tokio::time::timeout(Duration::from_secs(5), recall)
+        .await
+        .expect("answered once let go")
+        .unwrap();
+    assert!(recalled.is_ok(), "{recalled:?}");
+    store.close().await;
 }

@@ -60,6 +60,19 @@ impl Connection {
         ReplyTo::Connection(ConnectionReply::new(self.app.hub.clone(), to, req))
     }
 
+    /// The conversation a send or read mark goes to (`None` for other frames).
+    fn conversation_of(&self, frame: &ClientFrame) -> Option<pigeon_proto::ConversationId> {
+        match frame {
+            ClientFrame::Send(s) => match (&s.to.user, &s.to.conversation) {
+                (Some(peer), _) => pigeon_proto::ConversationId::single(self.user, *peer).ok(),
+                (None, Some(c)) => Some(c.clone()),
+                (None, None) => None,
+            },
+            ClientFrame::Read(r) => Some(r.conversation_id.clone()),
+            _ => None,
+        }
+    }
+
     pub(super) fn bad_frame(&mut self, req: Option<i64>, message: &str) -> Vec<String> {
         self.count_bad_frame();
         vec![ApiError::invalid(message).frame(req)]
@@ -134,6 +147,18 @@ impl Connection {
             self.flush_cursors(false).await;
             return Answer::AfterOwnSends;
         }
+        // A send or read mark goes to its conversation's partition; one of this connection's
+        // earlier commands on another partition is committed and delivered first, so the
+        // connection's frames are handled in the order they came (and their answers come
+        // in that order) whichever partitions own them.
+        if !barrier_done
+            && let Some(conversation) = self.conversation_of(&frame)
+            && self
+                .sent_since_barrier
+                .other_than(self.app.pipeline.route_of(&conversation))
+        {
+            return Answer::AfterOwnSends;
+        }
         let result = self.dispatch(frame, req).await;
         match result {
             Ok(frames) => frames.into(),
@@ -164,9 +189,8 @@ impl Connection {
                 app.limits.check_send(self.user)?;
                 let cmd = validate_send(self.user, s, app.limits())?;
                 let reply = self.reply_to(req);
-                app.pipeline
-                    .submit_in_order(Command::Send(cmd), reply, &mut self.sent_since_barrier)
-                    .await?;
+                let route = app.pipeline.submit(Command::Send(cmd), reply).await?;
+                self.sent_on(route);
                 Ok(Vec::new())
             }
             ClientFrame::Ack(a) => {
@@ -219,9 +243,8 @@ impl Connection {
                     from_device: Some(self.device.clone()),
                 };
                 let reply = self.reply_to(req);
-                app.pipeline
-                    .submit_in_order(cmd, reply, &mut self.sent_since_barrier)
-                    .await?;
+                let route = app.pipeline.submit(cmd, reply).await?;
+                self.sent_on(route);
                 Ok(Vec::new())
             }
             ClientFrame::Typing(t) => self.typing(t, req).await,
