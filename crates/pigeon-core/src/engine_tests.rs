@@ -666,7 +666,7 @@ fn appending_after_the_caches_were_dropped_continues_every_members_inbox() {
 /// A user registered in a batch may be written to later in the same batch (a back end
 /// registering a user while a send, a group creation or an invitation names them): the new
 /// user's inbox starts at 0 there, rather than the append finding no head (which stops the
-/// decider).
+/// pipeline).
 #[test]
 fn a_user_registered_in_a_batch_can_be_written_to_in_the_same_batch() {
     let mut e = engine(2, 10);

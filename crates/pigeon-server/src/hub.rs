@@ -61,9 +61,9 @@ struct ReceiptPace {
     /// When one last went out (none yet: only held ones): the next waits for a flush unless
     /// this is [`RECEIPT_FLUSH_EVERY`] ago.
     sent_at: Option<std::time::Instant>,
-    /// The newest position that went out: an older one that comes after it (the large
-    /// group's delivery task and the single chats' both publish while a conversation
-    /// moves to the bulk tier) is dropped, so the others never see a read mark go back.
+    /// The newest position that went out: an older one that comes after it (two tiers'
+    /// delivery tasks may both publish around a group's move to another tier) is dropped,
+    /// so the others never see a read mark go back.
     sent_seq: u64,
     /// The newest held back: its position, who to tell, and the device not to tell.
     held: Option<HeldReceipt>,
@@ -695,8 +695,9 @@ mod tests {
     }
 
     /// PROTOCOL.md 5.4's receipts carry a read mark, which only moves forward: one that
-    /// reaches the hub after a newer one of the same reader (two delivery tasks publish
-    /// while a conversation moves to the bulk tier) is not sent, at once or at the flush.
+    /// reaches the hub after a newer one of the same reader (two tiers' delivery tasks may
+    /// both publish around a group's move to another tier) is not sent, at once or at the
+    /// flush.
     #[test]
     fn a_receipt_older_than_one_sent_is_dropped() {
         let hub = Arc::new(Hub::default());

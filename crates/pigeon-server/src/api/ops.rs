@@ -28,10 +28,10 @@ fn probe(ok: bool, status: &str) -> (StatusCode, axum::Json<serde_json::Value>) 
     (code, axum::Json(serde_json::json!({ "status": status })))
 }
 
-/// Liveness: the process serves, unless its decider stopped on a broken invariant, which
+/// Liveness: the process serves, unless a partition or the committer stopped on a broken invariant, which
 /// only a restart mends (so a supervisor that probes liveness restarts it).
 pub async fn healthz(State(app): State<AppRef>) -> impl IntoResponse {
-    if app.pipeline.stats().decider_stopped() {
+    if app.pipeline.stats().pipeline_stopped() {
         return probe(false, "pipeline stopped");
     }
     probe(true, "ok")
@@ -41,7 +41,7 @@ pub async fn readyz(State(app): State<AppRef>) -> impl IntoResponse {
     if app.is_draining() {
         return probe(false, "draining");
     }
-    if app.pipeline.stats().decider_stopped() {
+    if app.pipeline.stats().pipeline_stopped() {
         return probe(false, "pipeline stopped");
     }
     if app.pipeline.stats().commits_failing() {

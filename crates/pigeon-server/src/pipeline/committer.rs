@@ -173,11 +173,18 @@ impl Committer {
         };
         let mut loaded = self.store.load(needs.clone()).await?;
         // Heads only of registered users (the store answers one for every user asked about):
-        // an ack naming a made-up user must not grow the map nor save a position.
+        // an ack naming a made-up user must not grow the map nor save a position. A user
+        // registered by these very batches is one (a message to them may be in them too).
+        let registering: HashSet<UserId> = batches
+            .iter()
+            .flat_map(|b| b.changes.users.iter().map(|u| u.0))
+            .collect();
         let registered: HashSet<UserId> = needs
             .users
             .into_iter()
-            .filter(|u| loaded.users.contains(u) || self.shared.is_registered(*u))
+            .filter(|u| {
+                loaded.users.contains(u) || registering.contains(u) || self.shared.is_registered(*u)
+            })
             .collect();
         loaded.inbox_heads.retain(|u, _| registered.contains(u));
         users.absorb_heads(loaded.inbox_heads, &registered);

@@ -87,7 +87,7 @@ impl ReplyTo {
 }
 
 /// Where a WebSocket command's answer goes: its connection's address and the frame's
-/// `req`. One dropped unanswered (its decider panicked with it in the batch) answers
+/// `req`. One dropped unanswered (its partition panicked with it in the batch) answers
 /// `unavailable` as it goes, through the hub it names, so the client is not left waiting
 /// for a reply that never comes.
 pub struct ConnectionReply {
@@ -190,10 +190,10 @@ pub struct PipelineStats {
     /// `/readyz` answers 503 while commits fail (a full disk, tables that cannot take the
     /// journal's backlog), for up to [`COMMIT_FAILURE_UNREADY_MS`] after the last failure.
     last_commit_failure_ms: AtomicU64,
-    /// A partition's decider or the committer stopped on a panic (a broken invariant, e.g.
+    /// A partition or the committer stopped on a panic (a broken invariant, e.g.
     /// the user stage's): every write then answers `unavailable`, and `/readyz` says why
     /// until a restart.
-    decider_stopped: AtomicBool,
+    pipeline_stopped: AtomicBool,
 }
 
 /// Milliseconds on a clock that never goes back (from the first call, plus one: never 0).
@@ -228,8 +228,8 @@ impl BatchCounts {
 
 impl PipelineStats {
     /// Whether a pipeline task stopped on a panic (see [`stop_flagged`]).
-    pub fn decider_stopped(&self) -> bool {
-        self.decider_stopped.load(Ordering::Relaxed)
+    pub fn pipeline_stopped(&self) -> bool {
+        self.pipeline_stopped.load(Ordering::Relaxed)
     }
 
     /// Whether a commit failed within [`COMMIT_FAILURE_UNREADY_MS`] with none succeeding since.
@@ -385,20 +385,20 @@ pub(super) struct Delivery {
 /// Where a caller waits for its command's result.
 type Answer = oneshot::Sender<Result<Reply, PipelineError>>;
 
-/// Runs a partition's decider (or the committer) and, should it panic (a broken invariant: it stops rather than decide a
+/// Runs a partition (or the committer) and, should it panic (a broken invariant: it stops rather than decide a
 /// batch the tables would refuse after its senders had their acks), marks the pipeline
 /// stopped and says so loudly, so that `/healthz` and `/readyz` fail and a supervisor
 /// restarts the process (the journal holds every acknowledged batch) instead of every
 /// write failing quietly. (The commands of the chunk being decided are dropped with it:
 /// each caller, over HTTP or WebSocket, is answered `unavailable`.)
-async fn stop_flagged(decider: impl Future<Output = ()>, stats: Arc<PipelineStats>) {
+async fn stop_flagged(task: impl Future<Output = ()>, stats: Arc<PipelineStats>) {
     use futures_util::FutureExt;
-    if std::panic::AssertUnwindSafe(decider)
+    if std::panic::AssertUnwindSafe(task)
         .catch_unwind()
         .await
         .is_err()
     {
-        stats.decider_stopped.store(true, Ordering::Relaxed);
+        stats.pipeline_stopped.store(true, Ordering::Relaxed);
         tracing::error!(
             "a pipeline task stopped on a panic: every write answers unavailable until a restart"
         );

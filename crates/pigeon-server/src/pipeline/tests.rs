@@ -266,7 +266,7 @@ impl Store for Rigged {
 
 /// A resend of an acknowledged message whose key the engine no longer holds is found a
 /// duplicate by the store without waiting for its tables (here they never catch up):
-/// before, every such look-up waited for the applier, and held the decider with it.
+/// a look-up that waited for the applier would hold its partition with it.
 #[tokio::test]
 async fn a_resend_is_found_a_duplicate_without_waiting_for_the_tables() {
     // Users registered by a first pipeline, which then goes; the tables hold them
@@ -294,19 +294,19 @@ async fn a_resend_is_found_a_duplicate_without_waiting_for_the_tables() {
 }
 
 #[tokio::test]
-async fn a_decider_that_panics_marks_the_pipeline_stopped() {
+async fn a_partition_that_panics_marks_the_pipeline_stopped() {
     let stats = Arc::new(PipelineStats::default());
     stop_flagged(async {}, stats.clone()).await;
     assert!(
-        !stats.decider_stopped(),
-        "an ending decider is not a stopped one"
+        !stats.pipeline_stopped(),
+        "a task that ends is not a stopped one"
     );
     stop_flagged(async { panic!("a broken invariant") }, stats.clone()).await;
-    assert!(stats.decider_stopped());
+    assert!(stats.pipeline_stopped());
 }
 
 #[tokio::test]
-async fn a_websocket_command_dropped_by_a_panicking_decider_is_answered_unavailable() {
+async fn a_websocket_command_dropped_by_a_panicking_partition_is_answered_unavailable() {
     let hub = Arc::new(Hub::default());
     let registered = hub.register(user(3), pigeon_proto::DeviceId::parse("d").unwrap());
     let mut reader = registered.reader;
@@ -775,5 +775,51 @@ async fn a_partition_held_on_its_store_holds_no_other() {
         .expect("answered once let go")
         .unwrap();
     assert!(recalled.is_ok(), "{recalled:?}");
+    store.close().await;
+}
+
+/// A user registered in the same batch as a message to them, or in the same commit: their
+/// inbox starts at 0 there (the user stage finds no head in the tables for them).
+#[tokio::test]
+async fn a_user_registered_beside_a_message_to_them_gets_it_at_user_seq_1() {
+    let (store, pipeline, _dir) = pipeline_over_store("register-beside", 1000).await;
+    let chat = |peer: u64| ConversationId::single(user(1), user(peer)).unwrap();
+    // Users whose registration and chat with user 1 one partition decides.
+    let same: Vec<u64> = (200..400)
+        .filter(|u| {
+            pigeon_core::routing::partition_of_user(user(*u), 2)
+                == pigeon_core::routing::partition_of(&chat(*u), 2)
+        })
+        .take(5)
+        .collect();
+    for u in same {
+        // Both queued before the partition runs: one batch.
+        let (reg_tx, registered) = oneshot::channel();
+        let (send_tx, sent) = oneshot::channel();
+        let upsert = Command::UpsertUser {
+            user: user(u),
+            name: None,
+            avatar: None,
+        };
+        pipeline
+            .submit(upsert, ReplyTo::Caller(reg_tx))
+            .await
+            .unwrap();
+        let send = text_send(user(1), SendTo::User(user(u)), &format!("first{u}"));
+        pipeline
+            .submit(send, ReplyTo::Caller(send_tx))
+            .await
+            .unwrap();
+        let (registered, sent) = (registered.await.unwrap(), sent.await.unwrap());
+        registered.unwrap();
+        let Reply::SendAck(ack) = sent.unwrap() else {
+            panic!("not an ack");
+        };
+        assert_eq!(ack.seq, 1);
+        pipeline.flush().await.unwrap();
+        let (items, _) = store.pull_inbox(user(u), 1, 10, 10).await.unwrap();
+        assert_eq!(items.iter().map(|i| i.seq).collect::<Vec<_>>(), vec![1]);
+    }
+    assert!(!pipeline.stats().pipeline_stopped());
     store.close().await;
 }

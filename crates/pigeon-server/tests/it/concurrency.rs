@@ -431,3 +431,57 @@ async fn message_times_keep_to_the_wall_clock_under_load() {
         "created_at ran {lead} ms ahead of the wall clock"
     );
 }
+
+/// PROTOCOL.md 4: "The server handles the frames of one connection in the order they
+/// arrive." A burst of sends into many single chats and a group (decided by different
+/// partitions) is acknowledged in the order it was sent, its messages numbered in that
+/// order, and the conversation list shows the last one sent first.
+#[tokio::test]
+async fn a_burst_into_many_conversations_is_handled_in_the_order_sent() {
+    let s = spawn_server().await;
+    let t = s.token(401).await;
+    let owner = s.user(401).await;
+    let peers: Vec<u64> = (402..=417).collect();
+    for p in &peers {
+        let _ = s.user(*p).await;
+    }
+    let group = new_group(&owner, &[402, 403]).await;
+    let mut ws = s.ws(&t, "d").await;
+    let mut frames = Vec::new();
+    for (i, p) in peers.iter().enumerate() {
+        let body = if i % 4 == 3 {
+            text_to_conv(&format!("b{i}"), &group, "x")
+        } else {
+            text_to_user(&format!("b{i}"), *p, "x")
+        };
+        let mut f = send_frame(body);
+        f["req"] = json!(i as i64 + 1);
+        frames.push(f.to_string());
+    }
+    ws.send_burst(frames).await.unwrap();
+    let mut acks = Vec::new();
+    while acks.len() < peers.len() {
+        let f = ws
+            .recv(Duration::from_secs(30))
+            .await
+            .unwrap()
+            .expect("a frame");
+        assert_ne!(f["type"], "error", "{f}");
+        if f["type"] == "send_ack" {
+            acks.push(f);
+        }
+    }
+    let reqs: Vec<i64> = acks.iter().map(|a| a["req"].as_i64().unwrap()).collect();
+    assert_eq!(reqs, (1..=peers.len() as i64).collect::<Vec<_>>());
+    let ids: Vec<u64> = acks
+        .iter()
+        .map(|a| a["msg_id"].as_str().unwrap().parse().unwrap())
+        .collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+    let listed = owner.get("/v1/conversations?limit=1").await.unwrap();
+    assert_eq!(
+        listed["conversations"][0]["conversation_id"],
+        acks.last().unwrap()["conversation_id"],
+        "{listed}"
+    );
+}
