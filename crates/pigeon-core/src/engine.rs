@@ -2,8 +2,11 @@
 //! (`conversation_stage/`) decides each command on its conversation and hands every
 //! message it appends to the user stage (`user_stage.rs`), which puts it into the members'
 //! inboxes; both stages' rows go into one batch of [`Changes`], committed as one unit. It
-//! never does I/O: the pipeline asks it what it [`Engine::needs`], loads that from the
-//! store, and [`Engine::absorb`]s it before applying a batch.
+//! never does I/O: its caller asks it what it [`Engine::needs`], loads that from the store,
+//! and [`Engine::absorb`]s it before applying a batch. One node's whole decision in one
+//! value, as the store's suite and the domain's tests drive it; the server's pipeline runs
+//! the two stages apart (a conversation stage per partition, the user stage in its
+//! committer).
 
 use crate::changes::{Changes, Event};
 use crate::command::{Command, CursorChain, Reply};

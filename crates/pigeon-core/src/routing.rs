@@ -3,6 +3,7 @@
 //! partition is one worker with its own queue and batch, so a flood in a large group is
 //! decided, batched and delivered apart from single chats and small groups.
 
+use pigeon_proto::ids::ConversationRef;
 use pigeon_proto::{ConversationId, UserId};
 
 /// Groups with fewer members than this are small.
@@ -47,10 +48,26 @@ impl Tier {
     }
 }
 
-/// Which of a tier's `partitions` owns `id`: a hash of its id as the wire spells it, the
-/// same on every node and across restarts.
+/// Which of a tier's `partitions` owns `id`: a hash of what the id names (its two users, or
+/// its group number), the same on every node and across restarts.
 pub fn partition_of(id: &ConversationId, partitions: usize) -> usize {
-    slot(id.as_str().as_bytes(), partitions)
+    match id.kind() {
+        ConversationRef::Single(a, b) => partition_of_chat(a, b, partitions),
+        ConversationRef::Group(g) => {
+            let mut key = [b'g'; 9];
+            key[1..].copy_from_slice(&g.to_le_bytes());
+            slot(&key, partitions)
+        }
+    }
+}
+
+/// [`partition_of`] the single chat of `a` and `b`, without making its id.
+pub fn partition_of_chat(a: UserId, b: UserId, partitions: usize) -> usize {
+    let (lo, hi) = if a < b { (a, b) } else { (b, a) };
+    let mut key = [b's'; 17];
+    key[1..9].copy_from_slice(&lo.get().to_le_bytes());
+    key[9..].copy_from_slice(&hi.get().to_le_bytes());
+    slot(&key, partitions)
 }
 
 /// Which of `partitions` decides `user`'s commands that name no conversation (a
@@ -83,5 +100,8 @@ mod tests {
         // A hash of the id's spelling: the same answer every time.
         assert_eq!(partition_of(&ids[0], 4), partition_of(&ids[0].clone(), 4));
         assert_eq!(partition_of(&ids[5], 1), 0);
+        let (a, b) = (UserId::new(3).unwrap(), UserId::new(9).unwrap());
+        let chat = ConversationId::single(a, b).unwrap();
+        assert_eq!(partition_of(&chat, 4), partition_of_chat(b, a, 4));
     }
 }

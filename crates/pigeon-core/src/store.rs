@@ -1,6 +1,6 @@
 //! The store port: what the write pipeline and the read paths need of durable storage.
-//! The embedded adapter (SQLite) and the distributed one (PostgreSQL) implement it and pass
-//! the same tests.
+//! Every adapter passes the same suite (`store_suite.rs`); the embedded one is SQLite's
+//! (`pigeon-store-sqlite`).
 
 use crate::changes::Changes;
 use crate::state::ConversationState;
@@ -190,7 +190,7 @@ pub trait Store: Send + Sync + 'static {
     async fn idempotency_key_count(&self) -> Result<u64, StoreError>;
     /// Stored idempotency keys in key order, from the first `limit` rows after the cursor
     /// `after` (`None`: from the start): at start the engine learns them all, page by page
-    /// (see `Engine::remember_key`). Answers the page's keys and the cursor of the next page,
+    /// (see `NodeShared::remember_key`). Answers the page's keys and the cursor of the next page,
     /// `None` when this was the last.
     async fn idempotency_keys(
         &self,

@@ -35,8 +35,8 @@ impl KeyClaims {
         }
     }
 
-    /// Lets go of claims `partition` took, once the store answers for their batch (it is
-    /// durable) or the batch is refused.
+    /// Lets go of a partition's claims of `keys`, once the store answers for their batch
+    /// (it is durable) or the batch is refused.
     pub(super) fn release(&self, keys: impl IntoIterator<Item = Key>) {
         let mut held = self.held.lock().expect("claims lock");
         for key in keys {

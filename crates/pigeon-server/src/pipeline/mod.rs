@@ -364,6 +364,11 @@ impl Pipeline {
             .map(|index| Route(index as u8))
     }
 
+    /// The partition of the single chat of `a` and `b`.
+    pub fn route_of_chat(&self, a: pigeon_proto::UserId, b: pigeon_proto::UserId) -> Route {
+        Route(self.router.chat_index(a, b) as u8)
+    }
+
     /// The partition `conversation`'s commands go to now; `None` when that takes a look-up
     /// (a group not seen since start) or the group is moving to another tier.
     pub fn route_of(&self, conversation: &pigeon_proto::ConversationId) -> Option<Route> {

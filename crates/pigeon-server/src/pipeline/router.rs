@@ -11,7 +11,7 @@ use super::partition::Work;
 use super::{Envelope, PipelineError, ReplyTo, RouteSet, now_ms};
 use pigeon_core::command::{Command, CursorChain, SendTo};
 use pigeon_core::node::NodeShared;
-use pigeon_core::routing::{Tier, partition_of, partition_of_user};
+use pigeon_core::routing::{Tier, partition_of, partition_of_chat, partition_of_user};
 use pigeon_core::store::{Needs, Store};
 use pigeon_proto::{ConversationId, MsgId, UserId};
 use std::collections::HashMap;
@@ -47,6 +47,8 @@ pub(super) struct Router {
 /// What decides a command's partition.
 enum Owner {
     Conversation(ConversationId),
+    /// A single chat, by its two users (its id is not made to route it).
+    Chat(UserId, UserId),
     User(UserId),
     Message(MsgId),
     /// A group being created, with its members at creation.
@@ -59,8 +61,8 @@ fn owner(cmd: &Command) -> Owner {
     match cmd {
         Command::UpsertUser { user, .. } | Command::Logout { user } => Owner::User(*user),
         Command::Send(s) => match &s.to {
-            SendTo::User(peer) => ConversationId::single(s.sender, *peer)
-                .map_or(Owner::User(s.sender), Owner::Conversation),
+            SendTo::User(peer) if *peer != s.sender => Owner::Chat(s.sender, *peer),
+            SendTo::User(_) => Owner::User(s.sender),
             SendTo::Conversation(c) => Owner::Conversation(c.clone()),
         },
         Command::CreateGroup { members, .. } => Owner::NewGroup(members.len() + 1),
@@ -112,6 +114,11 @@ impl Router {
     /// The partition of a conversation in `tier`.
     fn index_of(&self, c: &ConversationId, tier: Tier) -> usize {
         self.index(tier, partition_of(c, self.per_tier))
+    }
+
+    /// The partition of the single chat of `a` and `b`.
+    pub(super) fn chat_index(&self, a: UserId, b: UserId) -> usize {
+        self.index(Tier::Single, partition_of_chat(a, b, self.per_tier))
     }
 
     /// The partition `c`'s commands go to now, when that is known without a look-up.
@@ -235,6 +242,7 @@ impl Router {
                     self.index(Tier::Single, partition_of_user(*u, self.per_tier)),
                     None,
                 ),
+                Owner::Chat(a, b) => (self.chat_index(*a, *b), None),
                 Owner::Any | Owner::Message(_) | Owner::NewGroup(_) => (0, None),
             };
             let Ok(permit) = self.queues[index].reserve().await else {

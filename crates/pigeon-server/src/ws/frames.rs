@@ -3,7 +3,7 @@
 
 use super::{Connection, MAX_FRAME_BYTES};
 use crate::error::ApiError;
-use crate::pipeline::{ConnectionReply, ReplyTo, now_ms};
+use crate::pipeline::{ConnectionReply, ReplyTo, Route, now_ms};
 use pigeon_core::command::Command;
 use pigeon_core::rules::validate_send;
 use pigeon_proto::ErrorCode;
@@ -60,15 +60,20 @@ impl Connection {
         ReplyTo::Connection(ConnectionReply::new(self.app.hub.clone(), to, req))
     }
 
-    /// The conversation a send or read mark goes to (`None` for other frames).
-    fn conversation_of(&self, frame: &ClientFrame) -> Option<pigeon_proto::ConversationId> {
+    /// Where a send or read mark goes: `Some(None)` when that is not known without a
+    /// look-up; `None` for other frames.
+    fn route_of(&self, frame: &ClientFrame) -> Option<Option<Route>> {
+        let pipeline = &self.app.pipeline;
         match frame {
-            ClientFrame::Send(s) => match (&s.to.user, &s.to.conversation) {
-                (Some(peer), _) => pigeon_proto::ConversationId::single(self.user, *peer).ok(),
-                (None, Some(c)) => Some(c.clone()),
+            ClientFrame::Send(s) => match (s.to.user, &s.to.conversation) {
+                (Some(peer), _) if peer != self.user => {
+                    Some(Some(pipeline.route_of_chat(self.user, peer)))
+                }
+                (Some(_), _) => Some(None),
+                (None, Some(c)) => Some(pipeline.route_of(c)),
                 (None, None) => None,
             },
-            ClientFrame::Read(r) => Some(r.conversation_id.clone()),
+            ClientFrame::Read(r) => Some(pipeline.route_of(&r.conversation_id)),
             _ => None,
         }
     }
@@ -152,10 +157,9 @@ impl Connection {
         // connection's frames are handled in the order they came (and their answers come
         // in that order) whichever partitions own them.
         if !barrier_done
-            && let Some(conversation) = self.conversation_of(&frame)
-            && self
-                .sent_since_barrier
-                .other_than(self.app.pipeline.route_of(&conversation))
+            && !self.sent_since_barrier.is_empty()
+            && let Some(route) = self.route_of(&frame)
+            && self.sent_since_barrier.other_than(route)
         {
             return Answer::AfterOwnSends;
         }

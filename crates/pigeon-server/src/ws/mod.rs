@@ -925,7 +925,7 @@ mod tests {
     /// future is part of every idle connection's memory. It stays small because nothing
     /// large is held across an await: the WebSocket is kept once, as its two halves; frames
     /// are made in blocks of their own; settings are read where used, not kept in locals;
-    /// maps are `BTreeMap`s; two flags stand for the queues a connection sent on. With
+    /// maps are `BTreeMap`s; one `u64` of bits stands for the partitions it sent to. With
     /// tokio's ~142 bytes around it, the task is then at most 1 536 bytes, one allocator bin
     /// below 1 792 (heaptrack). A change that holds something large across an await fails
     /// here rather than in a benchmark's noise.
