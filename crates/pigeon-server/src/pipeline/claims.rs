@@ -7,7 +7,7 @@
 
 use pigeon_proto::{ClientMsgId, UserId};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 pub(super) type Key = (UserId, ClientMsgId);
 
@@ -50,6 +50,55 @@ impl KeyClaims {
     }
 }
 
+/// Keys one batch claimed, let go when it is dropped: once its batch is durable or refused,
+/// and also when its partition stops on a panic, so a retry of one of them into another
+/// partition is not refused until a restart.
+#[derive(Default)]
+pub(super) struct Claimed {
+    claims: Option<Arc<KeyClaims>>,
+    keys: Vec<Key>,
+}
+
+impl Claimed {
+    pub(super) fn new(claims: Arc<KeyClaims>) -> Self {
+        Claimed {
+            claims: Some(claims),
+            keys: Vec::new(),
+        }
+    }
+
+    /// Claims `key` for `partition` (see [`KeyClaims::claim`]); false when another holds it.
+    pub(super) fn claim(&mut self, key: Key, partition: usize) -> bool {
+        let claims = self
+            .claims
+            .as_ref()
+            .expect("claims made with their registry");
+        if !claims.claim(&key, partition) {
+            return false;
+        }
+        self.keys.push(key);
+        true
+    }
+
+    /// Takes `other`'s claims into these.
+    pub(super) fn absorb(&mut self, mut other: Claimed) {
+        if self.claims.is_none() {
+            self.claims = other.claims.clone();
+        }
+        self.keys.append(&mut other.keys);
+    }
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        if let Some(claims) = &self.claims
+            && !self.keys.is_empty()
+        {
+            claims.release(self.keys.drain(..));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -65,5 +114,16 @@ mod tests {
         assert!(!claims.claim(&key, 1), "one claim of partition 0 is left");
         claims.release([key.clone()]);
         assert!(claims.claim(&key, 1));
+        claims.release([key.clone()]);
+
+        // A batch's claims go with it, however it ends.
+        let claims = Arc::new(claims);
+        let mut batch = Claimed::new(claims.clone());
+        assert!(batch.claim(key.clone(), 2));
+        assert!(!claims.claim(&key, 3));
+        let mut open = Claimed::default();
+        open.absorb(batch);
+        drop(open);
+        assert!(claims.claim(&key, 3));
     }
 }

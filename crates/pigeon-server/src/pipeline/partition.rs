@@ -5,7 +5,7 @@
 //! previous one has come back. So when a commit fails, the only batch decided on top of it
 //! is the open one, which is refused with it.
 
-use super::claims::{Key, KeyClaims};
+use super::claims::{Claimed, KeyClaims};
 use super::{
     DECIDE_CHUNK, DecisionClock, Delivery, Envelope, MAX_BATCH, MAX_BATCH_FANOUT, PipelineError,
     ReplyTo, answer_all_unavailable,
@@ -84,7 +84,7 @@ struct OpenBatch {
     inbox_cursors: Vec<(UserId, DeviceId, u64)>,
     replies: Vec<(ReplyTo, Result<Reply, PipelineError>)>,
     /// The idempotency keys its sends claimed.
-    claimed: Vec<Key>,
+    claimed: Claimed,
     /// Members of its write fan-out messages (the inbox rows it will write).
     fanout: usize,
     started: Option<Instant>,
@@ -99,7 +99,7 @@ impl OpenBatch {
 /// The batch at the committer.
 struct InFlight {
     batch: u64,
-    claimed: Vec<Key>,
+    claimed: Claimed,
     outcome: oneshot::Receiver<Outcome>,
 }
 
@@ -175,7 +175,7 @@ impl Partition {
                 committed = async { (&mut in_flight.as_mut().expect("in flight").outcome).await },
                     if in_flight.is_some() => {
                     let done = in_flight.take().expect("in flight");
-                    self.claims.release(done.claimed);
+                    drop(done.claimed);
                     if let Ok(Outcome::Committed(frames)) = committed {
                         self.stage.committed(done.batch);
                         if !frames.is_empty() && self.delivery.send(frames).await.is_err() {
@@ -263,7 +263,7 @@ impl Partition {
 
     fn refuse(&self, open: &mut OpenBatch) {
         let b = std::mem::take(open);
-        self.claims.release(b.claimed);
+        drop(b.claimed);
         answer_all_unavailable(b.replies.into_iter().map(|(r, _)| r));
     }
 
@@ -280,17 +280,16 @@ impl Partition {
         open.started.get_or_insert_with(Instant::now);
         let mut cmds = Vec::with_capacity(arrived.len());
         let mut replies = Vec::with_capacity(arrived.len());
-        let mut claimed = Vec::new();
+        let mut claimed = Claimed::new(self.claims.clone());
         for e in arrived.drain(..) {
             if let Command::Send(s) = &e.cmd {
                 let key = (s.sender, s.client_msg_id.clone());
-                if !self.claims.claim(&key, self.index) {
+                if !claimed.claim(key, self.index) {
                     // Answered in its place among the batch's answers.
                     open.replies
                         .push((e.reply, Err(PipelineError::Unavailable)));
                     continue;
                 }
-                claimed.push(key);
             }
             cmds.push(e.cmd);
             replies.push(e.reply);
@@ -298,7 +297,7 @@ impl Partition {
         let load_started = Instant::now();
         if let Err(e) = load(&*self.store, &mut self.stage, stale, &cmds).await {
             tracing::error!(error = %e, commands = cmds.len(), "loading state failed; commands refused");
-            self.claims.release(claimed);
+            drop(claimed);
             // Answered in their places among the batch's answers.
             open.replies.extend(
                 replies
@@ -307,7 +306,7 @@ impl Partition {
             );
             return;
         }
-        open.claimed.extend(claimed);
+        open.claimed.absorb(claimed);
         // One sample per decision step (several per batch), store read included.
         metrics::histogram!("pigeon_load_seconds").record(load_started.elapsed().as_secs_f64());
         let now = self.clock.next();
