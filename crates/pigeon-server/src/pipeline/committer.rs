@@ -39,6 +39,8 @@ struct Part {
     events: Vec<Event>,
     replies: Vec<Reply>,
     started: Instant,
+    claimed: super::claims::Claimed,
+    delivery: mpsc::Sender<Delivery>,
     outcome: tokio::sync::oneshot::Sender<Outcome>,
 }
 
@@ -91,6 +93,8 @@ impl Committer {
                     events,
                     replies: b.replies,
                     started: b.started,
+                    claimed: b.claimed,
+                    delivery: b.delivery,
                     outcome: b.outcome,
                 });
             }
@@ -139,8 +143,18 @@ impl Committer {
                 // command waited.
                 metrics::histogram!("pigeon_batch_seconds")
                     .record(p.started.elapsed().as_secs_f64());
+                // The store answers for these keys now.
+                drop(p.claimed);
                 let frames = answer_callers(p.events, p.replies);
-                let _ = p.outcome.send(Outcome::Committed(frames));
+                if let Err(Outcome::Committed(frames)) = p.outcome.send(Outcome::Committed(frames))
+                {
+                    // Its partition is gone: the batch is durable all the same, and its
+                    // frames still go out, after what that tier's task holds.
+                    let delivery = p.delivery;
+                    tokio::spawn(async move {
+                        let _ = delivery.send(frames).await;
+                    });
+                }
             }
         }
     }

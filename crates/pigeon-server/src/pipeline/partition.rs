@@ -49,6 +49,12 @@ pub(super) struct Sealed {
     pub inbox_cursors: Vec<(UserId, DeviceId, u64)>,
     pub replies: Vec<(ReplyTo, Result<Reply, PipelineError>)>,
     pub started: Instant,
+    /// The idempotency keys its sends claimed: let go by the committer once the store
+    /// answers for them (or the batch is refused), whatever becomes of the partition.
+    pub claimed: Claimed,
+    /// Its tier's delivery task, for the committer should the partition be gone (stopped
+    /// on a panic) when its batch commits: its callers are still answered.
+    pub delivery: mpsc::Sender<Delivery>,
     /// How the batch ended.
     pub outcome: oneshot::Sender<Outcome>,
 }
@@ -99,7 +105,6 @@ impl OpenBatch {
 /// The batch at the committer.
 struct InFlight {
     batch: u64,
-    claimed: Claimed,
     outcome: oneshot::Receiver<Outcome>,
 }
 
@@ -175,7 +180,6 @@ impl Partition {
                 committed = async { (&mut in_flight.as_mut().expect("in flight").outcome).await },
                     if in_flight.is_some() => {
                     let done = in_flight.take().expect("in flight");
-                    drop(done.claimed);
                     if let Ok(Outcome::Committed(frames)) = committed {
                         self.stage.committed(done.batch);
                         if !frames.is_empty() && self.delivery.send(frames).await.is_err() {
@@ -212,9 +216,11 @@ impl Partition {
                         inbox_cursors: b.inbox_cursors,
                         replies: b.replies,
                         started: b.started.unwrap_or_else(Instant::now),
+                        claimed: b.claimed,
+                        delivery: self.delivery.clone(),
                         outcome,
                     });
-                    in_flight = Some(InFlight { batch, claimed: b.claimed, outcome: outcome_rx });
+                    in_flight = Some(InFlight { batch, outcome: outcome_rx });
                 }
                 work = queue.recv(), if taking => match work {
                     Some(work) => self.take(work, &mut arrived, &mut releasing, &mut stale),

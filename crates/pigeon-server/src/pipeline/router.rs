@@ -279,15 +279,25 @@ impl Router {
 
     /// Waits until everything queued before on the partitions of `routes` is committed (or
     /// refused) and its frames are queued on the outboxes.
+    /// Every partition is waited for, even after one fails (a shutdown flushes them all
+    /// before the store closes); the first failure is answered.
     pub(super) async fn flush(&self, routes: RouteSet) -> Result<(), PipelineError> {
         let mut answers = Vec::new();
+        let mut outcome = Ok(());
         for index in routes.routes().take_while(|i| *i < self.queues.len()) {
-            answers.push(self.barrier(index).await?);
+            match self.barrier(index).await {
+                Ok(rx) => answers.push(rx),
+                Err(e) => outcome = outcome.and(Err(e)),
+            }
         }
         for rx in answers {
-            rx.await.map_err(|_| PipelineError::Unavailable)??;
+            let answered = match rx.await {
+                Ok(result) => result.map(|_| ()),
+                Err(_) => Err(PipelineError::Unavailable),
+            };
+            outcome = outcome.and(answered);
         }
-        Ok(())
+        outcome
     }
 
     /// A barrier through partition `index`: answered once everything queued on it before
