@@ -15,6 +15,8 @@ pub mod node;
 pub mod presence;
 pub mod rate_limit;
 pub mod revocation;
+#[cfg(any(test, feature = "port-suites"))]
+pub mod rigged_store;
 pub mod routing;
 pub mod rules;
 pub mod snowflake;

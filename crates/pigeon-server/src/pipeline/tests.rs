@@ -3,7 +3,6 @@ use crate::outbox::Outgoing;
 use pigeon_core::command::{SendCommand, SendTo};
 use pigeon_proto::views::SendAck;
 use pigeon_proto::{ClientMsgId, ConversationId, UserId};
-use std::collections::HashMap;
 use std::time::Duration;
 
 fn fresh_shared(max_msg_id: u64) -> Arc<NodeShared> {
@@ -75,192 +74,53 @@ async fn register(pipeline: &Pipeline, users: impl IntoIterator<Item = u64>) {
     }
 }
 
-/// The real store, rigged: its tables may never catch up with what it acknowledged
+/// A rig for the real store: its tables may never catch up with what it acknowledged
 /// (`caught_up` never returns), and the loads that ask for one message may be held until
 /// let go.
-struct Rigged {
-    inner: Arc<dyn Store>,
+struct Lagging {
     never_caught_up: bool,
     held: std::sync::Mutex<Option<pigeon_proto::MsgId>>,
     open: tokio::sync::watch::Receiver<bool>,
 }
 
-impl Rigged {
-    fn tables_never_catch_up(inner: Arc<dyn Store>) -> Self {
-        Rigged::holding(inner, true).0
-    }
+type Rigged = pigeon_core::rigged_store::Rigged<Lagging>;
 
-    /// A store whose loads of the message [`Rigged::hold`] names wait until the switch
-    /// answered is set.
-    fn holding(
-        inner: Arc<dyn Store>,
-        never_caught_up: bool,
-    ) -> (Self, tokio::sync::watch::Sender<bool>) {
-        let (switch, open) = tokio::sync::watch::channel(false);
-        let rigged = Rigged {
-            inner,
-            never_caught_up,
-            held: std::sync::Mutex::new(None),
-            open,
-        };
-        (rigged, switch)
-    }
+fn tables_never_catch_up(inner: Arc<dyn Store>) -> Rigged {
+    holding(inner, true).0
+}
 
-    fn hold(&self, message: pigeon_proto::MsgId) {
-        *self.held.lock().unwrap() = Some(message);
-    }
+/// A store whose loads of the message [`hold`] names wait until the switch answered is set.
+fn holding(
+    inner: Arc<dyn Store>,
+    never_caught_up: bool,
+) -> (Rigged, tokio::sync::watch::Sender<bool>) {
+    let (switch, open) = tokio::sync::watch::channel(false);
+    let rig = Lagging {
+        never_caught_up,
+        held: std::sync::Mutex::new(None),
+        open,
+    };
+    (Rigged { inner, rig }, switch)
+}
+
+fn hold(store: &Rigged, message: pigeon_proto::MsgId) {
+    *store.rig.held.lock().unwrap() = Some(message);
 }
 
 #[async_trait::async_trait]
-impl Store for Rigged {
-    async fn load(
-        &self,
-        needs: pigeon_core::store::Needs,
-    ) -> Result<pigeon_core::store::Loaded, pigeon_core::StoreError> {
+impl pigeon_core::rigged_store::Rig for Lagging {
+    async fn before_load(&self, needs: &pigeon_core::store::Needs) {
         let held = *self.held.lock().unwrap();
         if held.is_some_and(|m| needs.messages.contains(&m)) {
             let _ = self.open.clone().wait_for(|open| *open).await;
         }
-        self.inner.load(needs).await
     }
-    async fn caught_up(&self) -> Result<(), pigeon_core::StoreError> {
+
+    async fn caught_up(&self, inner: &dyn Store) -> Result<(), pigeon_core::StoreError> {
         if self.never_caught_up {
             std::future::pending::<()>().await;
         }
-        self.inner.caught_up().await
-    }
-    async fn commit(&self, changes: Changes) -> Result<(), pigeon_core::StoreError> {
-        self.inner.commit(changes).await
-    }
-    async fn close(&self) {
-        self.inner.close().await
-    }
-    async fn max_msg_id(&self) -> Result<u64, pigeon_core::StoreError> {
-        self.inner.max_msg_id().await
-    }
-    async fn idempotency_key_count(&self) -> Result<u64, pigeon_core::StoreError> {
-        self.inner.idempotency_key_count().await
-    }
-    async fn idempotency_keys(
-        &self,
-        after: Option<pigeon_core::store::KeyCursor>,
-        limit: usize,
-    ) -> Result<pigeon_core::store::KeyPage, pigeon_core::StoreError> {
-        self.inner.idempotency_keys(after, limit).await
-    }
-    async fn meta_get(&self, key: &str) -> Result<Option<String>, pigeon_core::StoreError> {
-        self.inner.meta_get(key).await
-    }
-    async fn meta_set(&self, key: &str, value: &str) -> Result<(), pigeon_core::StoreError> {
-        self.inner.meta_set(key, value).await
-    }
-    async fn user(
-        &self,
-        user: UserId,
-    ) -> Result<Option<pigeon_core::store::UserRecord>, pigeon_core::StoreError> {
-        self.inner.user(user).await
-    }
-    async fn membership(
-        &self,
-        conv: &ConversationId,
-        user: UserId,
-    ) -> Result<Option<pigeon_core::store::Membership>, pigeon_core::StoreError> {
-        self.inner.membership(conv, user).await
-    }
-    async fn conversation_exists(
-        &self,
-        conv: &ConversationId,
-    ) -> Result<bool, pigeon_core::StoreError> {
-        self.inner.conversation_exists(conv).await
-    }
-    async fn history(
-        &self,
-        conv: &ConversationId,
-        reader: UserId,
-        range: (u64, u64),
-        query: pigeon_core::store::HistoryQuery,
-    ) -> Result<(Vec<pigeon_proto::Message>, bool), pigeon_core::StoreError> {
-        self.inner.history(conv, reader, range, query).await
-    }
-    async fn conversations(
-        &self,
-        user: UserId,
-        only: Option<&ConversationId>,
-        after: Option<pigeon_core::store::ListCursor>,
-        limit: u32,
-        include_hidden: bool,
-    ) -> Result<Vec<pigeon_proto::views::ConversationView>, pigeon_core::StoreError> {
-        self.inner
-            .conversations(user, only, after, limit, include_hidden)
-            .await
-    }
-    async fn members(
-        &self,
-        conv: &ConversationId,
-        after: Option<UserId>,
-        limit: u32,
-    ) -> Result<Vec<pigeon_proto::views::MemberView>, pigeon_core::StoreError> {
-        self.inner.members(conv, after, limit).await
-    }
-    async fn message(
-        &self,
-        msg_id: pigeon_proto::MsgId,
-    ) -> Result<Option<pigeon_core::store::AuditedMessage>, pigeon_core::StoreError> {
-        self.inner.message(msg_id).await
-    }
-    async fn versions(
-        &self,
-        msg_id: pigeon_proto::MsgId,
-    ) -> Result<Vec<pigeon_proto::views::VersionView>, pigeon_core::StoreError> {
-        self.inner.versions(msg_id).await
-    }
-    async fn is_hidden_for(
-        &self,
-        user: UserId,
-        msg_id: pigeon_proto::MsgId,
-    ) -> Result<bool, pigeon_core::StoreError> {
-        self.inner.is_hidden_for(user, msg_id).await
-    }
-    async fn inbox_head(&self, user: UserId) -> Result<u64, pigeon_core::StoreError> {
-        self.inner.inbox_head(user).await
-    }
-    async fn pull_inbox(
-        &self,
-        user: UserId,
-        from: u64,
-        to: u64,
-        limit: u32,
-    ) -> Result<(Vec<pigeon_proto::views::ChainItem>, bool), pigeon_core::StoreError> {
-        self.inner.pull_inbox(user, from, to, limit).await
-    }
-    async fn cursor(
-        &self,
-        user: UserId,
-        device: &str,
-        chain: &str,
-    ) -> Result<u64, pigeon_core::StoreError> {
-        self.inner.cursor(user, device, chain).await
-    }
-    async fn read_fanout_changes(
-        &self,
-        user: UserId,
-        device: &str,
-        given: &HashMap<String, u64>,
-    ) -> Result<Vec<pigeon_proto::frames::SyncConversation>, pigeon_core::StoreError> {
-        self.inner.read_fanout_changes(user, device, given).await
-    }
-    async fn unread(
-        &self,
-        user: UserId,
-    ) -> Result<Vec<(ConversationId, u64, bool)>, pigeon_core::StoreError> {
-        self.inner.unread(user).await
-    }
-    async fn receipts(
-        &self,
-        conv: &ConversationId,
-        seq: u64,
-    ) -> Result<(Vec<UserId>, Vec<UserId>), pigeon_core::StoreError> {
-        self.inner.receipts(conv, seq).await
+        inner.caught_up().await
     }
 }
 
@@ -274,7 +134,7 @@ async fn a_resend_is_found_a_duplicate_without_waiting_for_the_tables() {
     let (store, registering, dir) = pipeline_over_store("no-catch-up", 1000).await;
     drop(registering);
     store.caught_up().await.unwrap();
-    let store: Arc<dyn Store> = Arc::new(Rigged::tables_never_catch_up(store));
+    let store: Arc<dyn Store> = Arc::new(tables_never_catch_up(store));
     let (pipeline, _task) = start(store, Default::default(), fresh_shared(0), 2);
     let within = |f| tokio::time::timeout(Duration::from_secs(10), f);
     let first = within(send(&pipeline, 1, 2, "k-1"))
@@ -729,7 +589,7 @@ async fn a_registration_is_usable_through_every_partition_once_acknowledged() {
 #[tokio::test]
 async fn a_partition_held_on_its_store_holds_no_other() {
     let (real, _dir) = temp_store("held");
-    let (rigged, switch) = Rigged::holding(real, false);
+    let (rigged, switch) = holding(real, false);
     let rigged = Arc::new(rigged);
     let store: Arc<dyn Store> = rigged.clone();
     let (pipeline, _task) = start(store.clone(), Default::default(), fresh_shared(0), 2);
@@ -746,7 +606,7 @@ async fn a_partition_held_on_its_store_holds_no_other() {
     else {
         panic!("not an ack");
     };
-    rigged.hold(sent.msg_id);
+    hold(&rigged, sent.msg_id);
     let recall = tokio::spawn({
         let pipeline = pipeline.clone();
         async move {

@@ -1,5 +1,5 @@
-//! The store failing under the pipeline, through a wrapper around the embedded store
-//! ([`Faulty`]) whose commits a test can hold back or refuse:
+//! The store failing under the pipeline, through the embedded store rigged ([`Faulty`]) so
+//! that a test can hold back or refuse its commits:
 //!
 //! - A failed commit refuses its batch and the batch decided on top of it (the pipeline
 //!   decides batch N+1 while batch N commits): all `unavailable`, nothing of either stored,
@@ -11,21 +11,14 @@
 use crate::*;
 use pigeon_core::StoreError;
 use pigeon_core::changes::Changes;
-use pigeon_core::store::{
-    AuditedMessage, HistoryQuery, KeyCursor, KeyPage, ListCursor, Loaded, Membership, Needs, Store,
-    UserRecord,
-};
-use pigeon_proto::frames::SyncConversation;
-use pigeon_proto::views::{ChainItem, ConversationView, MemberView, VersionView};
-use pigeon_proto::{ConversationId, Message, MsgId, UserId};
-use std::collections::HashMap;
+use pigeon_core::rigged_store::{Rig, Rigged};
+use pigeon_core::store::Store;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// The embedded store, with commits that can be held back ([`Faulty::hold`]) or refused
-/// ([`Faulty::refuse_commits`]); everything else goes straight through.
+/// Commits that can be held back ([`Faulty::hold`]) or refused ([`Faulty::refuse_commits`]);
+/// everything else goes straight to the embedded store.
 struct Faulty {
-    inner: pigeon_store_sqlite::SqliteStore,
     refusing: AtomicBool,
     gate: Arc<tokio::sync::RwLock<()>>,
 }
@@ -42,142 +35,29 @@ impl Faulty {
 }
 
 #[async_trait::async_trait]
-impl Store for Faulty {
-    async fn load(&self, needs: Needs) -> Result<Loaded, StoreError> {
-        self.inner.load(needs).await
-    }
-    async fn caught_up(&self) -> Result<(), StoreError> {
-        self.inner.caught_up().await
-    }
-    async fn commit(&self, changes: Changes) -> Result<(), StoreError> {
+impl Rig for Faulty {
+    async fn commit(&self, inner: &dyn Store, changes: Changes) -> Result<(), StoreError> {
         let _open = self.gate.read().await;
         if self.refusing.load(Ordering::SeqCst) {
             return Err(StoreError::unavailable("the disk is full"));
         }
-        self.inner.commit(changes).await
-    }
-    async fn close(&self) {
-        self.inner.close().await
-    }
-    async fn max_msg_id(&self) -> Result<u64, StoreError> {
-        self.inner.max_msg_id().await
-    }
-    async fn idempotency_key_count(&self) -> Result<u64, StoreError> {
-        self.inner.idempotency_key_count().await
-    }
-    async fn idempotency_keys(
-        &self,
-        after: Option<KeyCursor>,
-        limit: usize,
-    ) -> Result<KeyPage, StoreError> {
-        self.inner.idempotency_keys(after, limit).await
-    }
-    async fn meta_get(&self, key: &str) -> Result<Option<String>, StoreError> {
-        self.inner.meta_get(key).await
-    }
-    async fn meta_set(&self, key: &str, value: &str) -> Result<(), StoreError> {
-        self.inner.meta_set(key, value).await
-    }
-    async fn user(&self, user: UserId) -> Result<Option<UserRecord>, StoreError> {
-        self.inner.user(user).await
-    }
-    async fn membership(
-        &self,
-        conv: &ConversationId,
-        user: UserId,
-    ) -> Result<Option<Membership>, StoreError> {
-        self.inner.membership(conv, user).await
-    }
-    async fn conversation_exists(&self, conv: &ConversationId) -> Result<bool, StoreError> {
-        self.inner.conversation_exists(conv).await
-    }
-    async fn history(
-        &self,
-        conv: &ConversationId,
-        reader: UserId,
-        range: (u64, u64),
-        query: HistoryQuery,
-    ) -> Result<(Vec<Message>, bool), StoreError> {
-        self.inner.history(conv, reader, range, query).await
-    }
-    async fn conversations(
-        &self,
-        user: UserId,
-        only: Option<&ConversationId>,
-        after: Option<ListCursor>,
-        limit: u32,
-        include_hidden: bool,
-    ) -> Result<Vec<ConversationView>, StoreError> {
-        self.inner
-            .conversations(user, only, after, limit, include_hidden)
-            .await
-    }
-    async fn members(
-        &self,
-        conv: &ConversationId,
-        after: Option<UserId>,
-        limit: u32,
-    ) -> Result<Vec<MemberView>, StoreError> {
-        self.inner.members(conv, after, limit).await
-    }
-    async fn message(&self, msg_id: MsgId) -> Result<Option<AuditedMessage>, StoreError> {
-        self.inner.message(msg_id).await
-    }
-    async fn versions(&self, msg_id: MsgId) -> Result<Vec<VersionView>, StoreError> {
-        self.inner.versions(msg_id).await
-    }
-    async fn is_hidden_for(&self, user: UserId, msg_id: MsgId) -> Result<bool, StoreError> {
-        self.inner.is_hidden_for(user, msg_id).await
-    }
-    async fn inbox_head(&self, user: UserId) -> Result<u64, StoreError> {
-        self.inner.inbox_head(user).await
-    }
-    async fn connect_state(&self, user: UserId) -> Result<(u64, Option<u64>), StoreError> {
-        self.inner.connect_state(user).await
-    }
-    async fn pull_inbox(
-        &self,
-        user: UserId,
-        from: u64,
-        to: u64,
-        limit: u32,
-    ) -> Result<(Vec<ChainItem>, bool), StoreError> {
-        self.inner.pull_inbox(user, from, to, limit).await
-    }
-    async fn cursor(&self, user: UserId, device: &str, chain: &str) -> Result<u64, StoreError> {
-        self.inner.cursor(user, device, chain).await
-    }
-    async fn read_fanout_changes(
-        &self,
-        user: UserId,
-        device: &str,
-        given: &HashMap<String, u64>,
-    ) -> Result<Vec<SyncConversation>, StoreError> {
-        self.inner.read_fanout_changes(user, device, given).await
-    }
-    async fn unread(&self, user: UserId) -> Result<Vec<(ConversationId, u64, bool)>, StoreError> {
-        self.inner.unread(user).await
-    }
-    async fn receipts(
-        &self,
-        conv: &ConversationId,
-        seq: u64,
-    ) -> Result<(Vec<UserId>, Vec<UserId>), StoreError> {
-        self.inner.receipts(conv, seq).await
+        inner.commit(changes).await
     }
 }
 
 /// A server over a [`Faulty`] store, and the store.
-async fn faulty_server() -> (TestServer, Arc<Faulty>) {
+async fn faulty_server() -> (TestServer, Arc<Rigged<Faulty>>) {
     let dir = Arc::new(TempDir::new());
     let cfg = test_config(&dir);
     let inner =
         pigeon_store_sqlite::SqliteStore::open(&dir.0, pigeon_store_sqlite::Durability::Fsync)
             .expect("the store opens");
-    let store = Arc::new(Faulty {
-        inner,
-        refusing: AtomicBool::new(false),
-        gate: Arc::new(tokio::sync::RwLock::new(())),
+    let store = Arc::new(Rigged {
+        inner: Arc::new(inner),
+        rig: Faulty {
+            refusing: AtomicBool::new(false),
+            gate: Arc::new(tokio::sync::RwLock::new(())),
+        },
     });
     let running = pigeon_server::start_with_store(cfg.clone(), store.clone())
         .await
@@ -197,8 +77,8 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it() {
 
     // B is decided and its commit held back; a chunk of sends is decided on top of it
     // meanwhile; then B's commit fails.
-    let held = store.hold().await;
-    store.refuse_commits(true);
+    let held = store.rig.hold().await;
+    store.rig.refuse_commits(true);
     let mut b = send_frame(text_to_user("c1", 2, "one"));
     b["req"] = json!(1001);
     ws.send(&b).await.unwrap();
@@ -235,7 +115,7 @@ async fn a_failed_commit_refuses_the_batch_decided_on_top_of_it() {
     // The store is the truth again: the next message takes seq 2, and the refused sends are
     // new messages when retried (they were never stored), not duplicates, at the seqs that
     // follow.
-    store.refuse_commits(false);
+    store.rig.refuse_commits(false);
     let c = request(&mut ws, send_frame(text_to_user("c2", 2, "two")), 4).await;
     assert_eq!(
         (c["type"].as_str(), c["seq"].as_u64()),
@@ -295,7 +175,7 @@ async fn a_ping_waiting_behind_stalled_commits_still_writes_the_acks_that_come()
     let first = request(&mut ws, send_frame(text_to_user("s0", 2, "zero")), 1).await;
     assert_eq!(first["type"], "send_ack", "{first}");
 
-    let held = store.hold().await;
+    let held = store.rig.hold().await;
     const N: i64 = 6_000;
     let mut burst = sends_to_user("s", 2, N, 10);
     burst.push(json!({"type": "ping", "req": 9}).to_string());
@@ -326,7 +206,7 @@ async fn a_connection_waiting_at_its_barrier_is_closed_when_the_server_stops() {
         let (store, released) = (store.clone(), released.clone());
         let (held_tx, held_rx) = tokio::sync::oneshot::channel();
         let holder = tokio::spawn(async move {
-            let held = store.hold().await;
+            let held = store.rig.hold().await;
             held_tx.send(()).unwrap();
             tokio::time::sleep(Duration::from_millis(4_000)).await;
             released.store(true, Ordering::SeqCst);
