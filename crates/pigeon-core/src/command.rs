@@ -174,6 +174,26 @@ pub enum Command {
     Flush,
 }
 
+impl Command {
+    /// The conversation a command names in a field of its own (a group change, a read mark,
+    /// a user's settings of it). Sends, acks and the commands that name a message find
+    /// theirs otherwise.
+    pub fn named_conversation(&self) -> Option<&ConversationId> {
+        match self {
+            Command::Invite { conversation, .. }
+            | Command::RemoveMember { conversation, .. }
+            | Command::SetAdmin { conversation, .. }
+            | Command::Mute { conversation, .. }
+            | Command::Unmute { conversation, .. }
+            | Command::UpdateGroup { conversation, .. }
+            | Command::Dismiss { conversation, .. }
+            | Command::Read { conversation, .. }
+            | Command::Settings { conversation, .. } => Some(conversation),
+            _ => None,
+        }
+    }
+}
+
 /// What a command answers once its changes are durable.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reply {

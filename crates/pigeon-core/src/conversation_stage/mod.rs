@@ -184,14 +184,6 @@ impl ConversationStage {
                     want_conv(&mut n, conversation);
                     users.iter().for_each(|u| want_user(&mut n, *u));
                 }
-                Command::RemoveMember { conversation, .. }
-                | Command::SetAdmin { conversation, .. }
-                | Command::Mute { conversation, .. }
-                | Command::Unmute { conversation, .. }
-                | Command::UpdateGroup { conversation, .. }
-                | Command::Dismiss { conversation, .. }
-                | Command::Read { conversation, .. }
-                | Command::Settings { conversation, .. } => want_conv(&mut n, conversation),
                 Command::Recall { msg_id, .. }
                 | Command::Edit { msg_id, .. }
                 | Command::AdminDelete { msg_id }
@@ -213,6 +205,11 @@ impl ConversationStage {
                 // Whether the user is registered already (see `Engine::needs`).
                 Command::UpsertUser { .. } => {}
                 Command::Logout { .. } | Command::Flush => {}
+                other => {
+                    if let Some(c) = other.named_conversation() {
+                        want_conv(&mut n, c);
+                    }
+                }
             }
         }
         n

@@ -66,15 +66,6 @@ fn owner(cmd: &Command) -> Owner {
             SendTo::Conversation(c) => Owner::Conversation(c.clone()),
         },
         Command::CreateGroup { members, .. } => Owner::NewGroup(members.len() + 1),
-        Command::Invite { conversation, .. }
-        | Command::RemoveMember { conversation, .. }
-        | Command::SetAdmin { conversation, .. }
-        | Command::Mute { conversation, .. }
-        | Command::Unmute { conversation, .. }
-        | Command::UpdateGroup { conversation, .. }
-        | Command::Dismiss { conversation, .. }
-        | Command::Read { conversation, .. }
-        | Command::Settings { conversation, .. } => Owner::Conversation(conversation.clone()),
         Command::Recall { msg_id, .. }
         | Command::Edit { msg_id, .. }
         | Command::AdminDelete { msg_id }
@@ -84,6 +75,9 @@ fn owner(cmd: &Command) -> Owner {
             CursorChain::Conversation(c) => Owner::Conversation(c.clone()),
         },
         Command::Flush => Owner::Any,
+        other => other
+            .named_conversation()
+            .map_or(Owner::Any, |c| Owner::Conversation(c.clone())),
     }
 }
 
